@@ -1,0 +1,129 @@
+"""The in-process engine: requests in, tokens out, continuous batching over one model."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from common.cache.kv_pool import KVPool
+from common.cache.state_pool import GDNStatePool
+from common.engine.model_runner import ModelRunner
+from common.engine.request import Request
+from common.engine.scheduler import Scheduler, SchedulerConfig
+from common.model.qwen3_5 import HybridForCausalLM
+from common.sampling import Sampler, SamplingParams, make_generator, stop_reason
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    num_pages: int = 1024   # including the scratch page 0
+    num_slots: int = 65     # including the scratch slot 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+
+
+@dataclass
+class TokenEvent:
+    """A token a request produced in one step; ``finish_reason`` is set on its last token."""
+
+    request_id: str
+    token_id: int
+    finish_reason: str | None
+
+
+def make_pools(model: HybridForCausalLM, cache: CacheConfig,
+               device: torch.device | str) -> tuple[KVPool, GDNStatePool]:
+    c = model.config
+    kv_pool = KVPool(layer_ids=c.full_attention_layers, num_pages=cache.num_pages,
+                     page_size=cache.page_size, num_kv_heads=c.num_key_value_heads,
+                     head_dim=c.head_dim, dtype=model.dtype, device=device)
+    state_pool = GDNStatePool(
+        layer_ids=c.linear_attention_layers, num_slots=cache.num_slots, conv_dim=c.conv_dim,
+        conv_window=c.linear_conv_kernel_dim - 1, num_value_heads=c.linear_num_value_heads,
+        key_head_dim=c.linear_key_head_dim, value_head_dim=c.linear_value_head_dim,
+        conv_dtype=model.dtype, device=device)
+    return kv_pool, state_pool
+
+
+class LLMEngine:
+    """Continuous batching over a model and its pools. Not thread-safe: one caller at a time."""
+
+    def __init__(self, model: HybridForCausalLM, config: EngineConfig,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.model = model
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids) or model.config.eos_token_ids
+        self.kv_pool, self.state_pool = make_pools(model, config.cache, config.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv_pool, self.state_pool)
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, list(prompt_ids), params,
+                      generator=make_generator(params.seed, self.config.device))
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            req.finish_reason = "abort"
+            self.scheduler.release(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.num_requests > 0
+
+    def step(self) -> list[TokenEvent]:
+        """Run one forward; return the tokens sampled in it."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        out = self.runner.run(step)
+        # a chunk that does not finish its prompt produces no token
+        sampled = [(i, r) for i, r in enumerate(step.requests) if not r.is_prefilling]
+        if not sampled:
+            return []
+        rows = torch.tensor([i for i, _ in sampled], device=out.logits.device)
+        reqs = [r for _, r in sampled]
+        tokens = self.sampler.sample(out.logits[rows], [r.params for r in reqs],
+                                     [r.generator for r in reqs]).tolist()
+        events = []
+        for r, tok in zip(reqs, tokens):
+            r.output_ids.append(tok)
+            reason = stop_reason(tok, len(r.output_ids), r.params, self.eos_token_ids)
+            if reason is not None:
+                r.finish_reason = reason
+                self.scheduler.release(r)
+                del self.requests[r.request_id]
+            events.append(TokenEvent(r.request_id, tok, reason))
+        return events
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[Request]:
+        """Run prompts to completion; returns the finished requests in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        while self.has_work():
+            self.step()
+        return reqs

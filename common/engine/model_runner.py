@@ -1,0 +1,38 @@
+"""Turns a scheduled step into a model forward over the pools; owns the device side."""
+
+from __future__ import annotations
+
+import torch
+
+from common.cache.kv_pool import KVPool
+from common.cache.state_pool import GDNStatePool
+from common.engine.scheduler import ScheduledStep
+from common.model.forward_batch import ForwardBatch
+from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
+
+
+class ModelRunner:
+    def __init__(self, model: HybridForCausalLM, kv_pool: KVPool, state_pool: GDNStatePool,
+                 device: torch.device | str) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.device = torch.device(device)
+
+    def build_batch(self, step: ScheduledStep, *, return_all_logits: bool = False) -> ForwardBatch:
+        reqs = step.requests
+        return ForwardBatch.build(
+            mode=step.mode, token_ids=step.token_ids(),
+            prefix_lens=[r.num_cached for r in reqs],
+            page_ids=[r.page_ids[:self.kv_pool.pages_for(r.num_cached + n)]
+                      for r, n in zip(reqs, step.num_new_tokens)],
+            page_size=self.kv_pool.page_size, state_slots=[r.slot for r in reqs],
+            return_all_logits=return_all_logits, device=self.device)
+
+    def run(self, step: ScheduledStep, *, return_all_logits: bool = False) -> ModelOutput:
+        """Run one forward and advance every request's ``num_cached``."""
+        batch = self.build_batch(step, return_all_logits=return_all_logits)
+        out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+        for r, n in zip(step.requests, step.num_new_tokens):
+            r.num_cached += n
+        return out

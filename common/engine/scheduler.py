@@ -1,0 +1,133 @@
+"""Which requests run in the next forward, and the cache they own. Pure CPU bookkeeping.
+
+Policy (as in SGLang and vLLM): prompts first. A step is either EXTEND (prefill chunks of waiting
+or partly prefilled requests, under a token budget) or DECODE (one token for every running
+request). Pages for a request's whole budget (prompt + max_new_tokens) are reserved when it is
+admitted, so a running request can never run out of cache mid-way and nothing has to be evicted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from common.cache.kv_pool import KVPool
+from common.cache.state_pool import GDNStatePool
+from common.engine.request import Request, RequestStatus
+from common.model.forward_batch import ForwardMode
+
+
+class RequestTooLarge(ValueError):
+    """A request that could never fit in this engine's pools."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_prefill_tokens: int = 2048  # token budget of one EXTEND step (the prefill chunk size)
+    max_running_requests: int = 64
+
+
+@dataclass
+class ScheduledStep:
+    """One forward's work: requests with the number of new tokens each feeds in."""
+
+    mode: ForwardMode
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+    def token_ids(self) -> list[list[int]]:
+        return [[r.token_at(p) for p in range(r.num_cached, r.num_cached + n)]
+                for r, n in zip(self.requests, self.num_new_tokens)]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_pool: KVPool,
+                 state_pool: GDNStatePool) -> None:
+        if config.max_prefill_tokens < 1 or config.max_running_requests < 1:
+            raise ValueError("scheduler limits must be positive")
+        self.config = config
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise :class:`RequestTooLarge` if the request could never be admitted."""
+        pages = self.kv_pool.pages_for(request.max_total_tokens)
+        if pages > self.kv_pool.allocator.num_usable:
+            raise RequestTooLarge(
+                f"prompt of {len(request.prompt_ids)} tokens + max_new_tokens "
+                f"{request.params.max_new_tokens} needs {pages} KV pages; the pool has "
+                f"{self.kv_pool.allocator.num_usable}")
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request)
+        self.waiting.append(request)
+
+    def admit_prefilled(self, request: Request) -> None:
+        """Take a request whose cache is already filled (pages and slot owned by it)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def reserve(self, request: Request) -> bool:
+        """Give a request a state slot and pages for its whole budget, if both are free."""
+        pages = self.kv_pool.pages_for(request.max_total_tokens)
+        if not (self.kv_pool.allocator.can_allocate(pages)
+                and self.state_pool.allocator.can_allocate(1)):
+            return False
+        request.page_ids = self.kv_pool.allocator.allocate(pages)
+        request.slot = self.state_pool.allocate()
+        request.status = RequestStatus.RUNNING
+        return True
+
+    def release(self, request: Request) -> None:
+        """Return a request's pages and slot (idempotent) and drop it from the queues."""
+        if request.page_ids:
+            self.kv_pool.allocator.free(request.page_ids)
+            request.page_ids = []
+        if request.slot is not None:
+            self.state_pool.free(request.slot)
+            request.slot = None
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+
+    def schedule(self) -> ScheduledStep | None:
+        step = self._schedule_extend()
+        if step is not None:
+            return step
+        decoding = [r for r in self.running if not r.is_prefilling]
+        if not decoding:
+            return None
+        return ScheduledStep(ForwardMode.DECODE, decoding, [1] * len(decoding))
+
+    def _schedule_extend(self) -> ScheduledStep | None:
+        budget = self.config.max_prefill_tokens
+        requests, counts = [], []
+        # partly prefilled requests continue first: they already hold cache
+        for r in self.running:
+            if r.is_prefilling and budget > 0:
+                n = min(len(r.prompt_ids) - r.num_cached, budget)
+                requests.append(r)
+                counts.append(n)
+                budget -= n
+        while (self.waiting and budget > 0
+               and len(self.running) < self.config.max_running_requests):
+            r = self.waiting[0]
+            if not self.reserve(r):
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            n = min(len(r.prompt_ids), budget)
+            requests.append(r)
+            counts.append(n)
+            budget -= n
+        if not requests:
+            return None
+        return ScheduledStep(ForwardMode.EXTEND, requests, counts)

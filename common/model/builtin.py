@@ -1,0 +1,63 @@
+"""The built-in model ``tiny``: a small Qwen3.5-architecture model that needs no download.
+
+Its weights are drawn from a fixed seed, so every machine builds the same model bit for bit; it
+pairs with the byte-level tokenizer (vocabulary 260 = 256 bytes + 4 special tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from common.config import ModelConfig
+
+TINY_NAME = "tiny"
+TINY_SEED = 20261129
+TINY_EOS = 256
+
+TINY_CONFIG = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 260,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention",
+                    "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.25},
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "eos_token_id": TINY_EOS,
+    "dtype": "float32",
+}
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig.from_dict(dict(TINY_CONFIG))
+
+
+@torch.no_grad()
+def fill_deterministic(named_params, seed: int = TINY_SEED) -> None:
+    """Fill parameters from a seeded generator, in name order (independent of device)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(named_params, key=lambda kv: kv[0]):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            value = torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log()
+        elif leaf == "dt_bias":
+            value = torch.randn(p.shape, generator=gen) * 0.5
+        elif name.endswith("norm.weight"):
+            value = torch.randn(p.shape, generator=gen) * 0.1
+        else:
+            fan_in = p.shape[-1] if p.dim() > 1 else 1
+            value = torch.randn(p.shape, generator=gen) / math.sqrt(fan_in)
+        p.copy_(value.to(p.dtype))

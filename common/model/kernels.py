@@ -1,0 +1,59 @@
+"""The set of kernel functions one model instance calls, chosen once when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from common.ops.registry import OpRegistry, default_registry
+
+# Kernels field -> registry op name, for every op the model calls.
+MODEL_OPS = {
+    "rms_norm": "rms_norm",
+    "gated_rms_norm": "gated_rms_norm",
+    "conv1d_prefill": "causal_conv1d_prefill",
+    "conv1d_update": "causal_conv1d_update",
+    "gdn_gating": "gdn_gating",
+    "gdn_chunk": "chunk_gated_delta_rule",
+    "gdn_recurrent": "recurrent_gated_delta_rule",
+    "rope": "apply_rope",
+    "paged_attention": "paged_attention",
+    "silu_glu_mlp": "silu_glu_mlp",
+    "sparse_moe": "sparse_moe",
+}
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Resolved kernel callables; the model never looks a backend up at call time."""
+
+    rms_norm: Callable
+    gated_rms_norm: Callable
+    conv1d_prefill: Callable
+    conv1d_update: Callable
+    gdn_gating: Callable
+    gdn_chunk: Callable
+    gdn_recurrent: Callable
+    rope: Callable
+    paged_attention: Callable
+    silu_glu_mlp: Callable
+    sparse_moe: Callable
+    backends: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def select(cls, backends: dict[str, str] | None = None,
+               registry: OpRegistry | None = None) -> "Kernels":
+        """Resolve every op from ``registry`` (default: all "reference").
+
+        Args:
+            backends: registry op name -> backend name, for ops that should not use
+                "reference".
+        """
+        registry = registry or default_registry()
+        backends = dict(backends or {})
+        unknown = sorted(set(backends) - set(MODEL_OPS.values()))
+        if unknown:
+            raise ValueError(f"unknown ops {unknown}; ops are {sorted(MODEL_OPS.values())}")
+        chosen = {op: backends.get(op, "reference") for op in MODEL_OPS.values()}
+        fns = {field: registry.get(op, chosen[op]) for field, op in MODEL_OPS.items()}
+        return cls(**fns, backends=tuple(chosen.items()))

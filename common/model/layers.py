@@ -1,0 +1,222 @@
+"""The parts of a hybrid decoder layer: token mixers (GDN, gated attention) and MLPs.
+
+Parameters are allocated uninitialised (``torch.empty``) because the loader or the built-in
+model's generator fills every one of them; random init would only cost time. All math goes
+through the :class:`~common.model.kernels.Kernels` chosen when the model was built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.cache.kv_pool import KVPool
+from common.cache.state_pool import GDNStatePool
+from common.config import ModelConfig
+from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.model.kernels import Kernels
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+@dataclass
+class ForwardContext:
+    """Everything a layer reads besides its input: the batch, the pools and the kernels."""
+
+    batch: ForwardBatch
+    kv_pool: KVPool | None
+    state_pool: GDNStatePool | None
+    kernels: Kernels
+    inv_freq: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: ``x̂ · (1 + w)`` (every norm of the model except GDN's output norm)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return kernels.rms_norm(x=x, weight=self.weight, eps=self.eps, zero_centered=True)
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm: plain-weight RMSNorm, then times ``silu(z)``."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype)
+
+
+class Conv1d(nn.Module):
+    """Holds the depthwise conv weight under the checkpoint's name ``conv1d.weight`` [D, 1, W]."""
+
+    def __init__(self, channels: int, width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(channels, 1, width, dtype=dtype)
+
+
+class Linear(nn.Module):
+    """Bias-free projection whose weight keeps the checkpoint's ``[out, in]`` name and shape."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer; its cache is one GDN state slot per request."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.layer_id = layer_id
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim = c.key_dim, c.value_dim
+        self.in_proj_qkv = Linear(c.hidden_size, c.conv_dim, dtype)
+        self.in_proj_z = Linear(c.hidden_size, c.value_dim, dtype)
+        self.in_proj_b = Linear(c.hidden_size, c.linear_num_value_heads, dtype)
+        self.in_proj_a = Linear(c.hidden_size, c.linear_num_value_heads, dtype)
+        self.conv1d = Conv1d(c.conv_dim, c.linear_conv_kernel_dim, dtype)
+        # NOTE: A_log stays fp32 whatever the model dtype: exp(A_log) in half precision can
+        # overflow and the decay must be exact enough to compound over long prompts.
+        self.A_log = _param(c.linear_num_value_heads, dtype=torch.float32)
+        self.dt_bias = _param(c.linear_num_value_heads, dtype=dtype)
+        self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps, dtype)
+        self.out_proj = Linear(c.value_dim, c.hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        kn, batch, pool = ctx.kernels, ctx.batch, ctx.state_pool
+        num_tokens = x.shape[0]
+        layer = pool.layer_index(self.layer_id)
+        slots = batch.state_slots
+        mixed_qkv = self.in_proj_qkv(x)  # [T, conv_dim], channels q|k|v
+        z = self.in_proj_z(x).view(num_tokens, self.num_v_heads, self.head_v_dim)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+
+        weight = self.conv1d.weight.squeeze(1)
+        conv_state = pool.conv[layer, slots]  # [N, conv_dim, W-1]
+        if batch.mode == ForwardMode.DECODE:
+            mixed_qkv, new_conv = kn.conv1d_update(x=mixed_qkv, conv_state=conv_state,
+                                                   weight=weight, activation="silu")
+        else:
+            mixed_qkv, new_conv = kn.conv1d_prefill(
+                x=mixed_qkv, weight=weight, cu_seqlens=batch.cu_seqlens,
+                initial_state=conv_state, activation="silu")
+        pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
+
+        q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        g, beta = kn.gdn_gating(A_log=self.A_log, a=a, dt_bias=self.dt_bias, b=b)
+
+        # pool layout [HV, V, K] -> the ops' K-major [HV, K, V]
+        state = pool.ssm[layer, slots].transpose(-1, -2)
+        rule = kn.gdn_recurrent if batch.mode == ForwardMode.DECODE else kn.gdn_chunk
+        o, final_state = rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=batch.cu_seqlens,
+                              initial_state=state, use_qk_l2norm=True)
+        pool.ssm[layer, slots] = final_state.transpose(-1, -2).to(pool.ssm.dtype)
+
+        o = kn.gated_rms_norm(x=o.reshape(-1, self.head_v_dim).to(x.dtype),
+                              gate=z.reshape(-1, self.head_v_dim), weight=self.norm.weight,
+                              eps=self.norm.eps)
+        return self.out_proj(o.reshape(num_tokens, self.value_dim))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with q/k norm, partial NeoX RoPE, GQA and a sigmoid output gate."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.scale = c.head_dim ** -0.5
+        # q_proj rows are laid out per head as [q_h | gate_h]
+        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim * 2, dtype)
+        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, dtype)
+        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, dtype)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, dtype)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        kn, batch = ctx.kernels, ctx.batch
+        num_tokens = x.shape[0]
+        qg = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)
+        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
+        q = self.q_norm(q, kn)
+        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim), kn)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = kn.rope(q=q, k=k, positions=batch.positions, inv_freq=ctx.inv_freq)
+        ctx.kv_pool.write(self.layer_id, batch.out_cache_loc, k, v)
+        k_cache, v_cache = ctx.kv_pool.layer_cache(self.layer_id)
+        o = kn.paged_attention(q=q, k_cache=k_cache, v_cache=v_cache,
+                               page_table=batch.page_table, prefix_lens=batch.prefix_lens,
+                               extend_lens=batch.extend_lens, scale=self.scale)
+        o = o.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
+        return self.o_proj(o)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, dtype)
+        self.up_proj = Linear(hidden, intermediate, dtype)
+        self.down_proj = Linear(intermediate, hidden, dtype)
+
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return kernels.silu_glu_mlp(x=x, gate_proj=self.gate_proj.weight,
+                                    up_proj=self.up_proj.weight, down_proj=self.down_proj.weight)
+
+
+class PackedExperts(nn.Module):
+    """Routed experts stored packed, whatever the checkpoint's storage."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = _param(num_experts, 2 * intermediate, hidden, dtype=dtype)
+        self.down_proj = _param(num_experts, hidden, intermediate, dtype=dtype)
+
+
+class SparseMoE(nn.Module):
+    """Softmax top-k routed experts plus a sigmoid-gated shared expert."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.top_k = c.num_experts_per_tok
+        self.norm_topk_prob = c.norm_topk_prob or c.model_type == "qwen3_5_moe_text"
+        self.gate = Linear(c.hidden_size, c.num_experts, dtype)
+        self.experts = PackedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype)
+        self.has_shared_expert = c.shared_expert_intermediate_size > 0
+        if self.has_shared_expert:
+            self.shared_expert = DenseMLP(c.hidden_size, c.shared_expert_intermediate_size, dtype)
+            self.shared_expert_gate = Linear(c.hidden_size, 1, dtype)
+
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        shared = {}
+        if self.has_shared_expert:
+            s = self.shared_expert
+            shared = dict(shared_gate_proj=s.gate_proj.weight, shared_up_proj=s.up_proj.weight,
+                          shared_down_proj=s.down_proj.weight,
+                          shared_expert_gate=self.shared_expert_gate.weight)
+        return kernels.sparse_moe(
+            x=x, router_weight=self.gate.weight, experts_gate_up=self.experts.gate_up_proj,
+            experts_down=self.experts.down_proj, top_k=self.top_k,
+            norm_topk_prob=self.norm_topk_prob, **shared)

@@ -1,0 +1,36 @@
+"""Build a model by name or path: the built-in ``tiny`` or a safetensors checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from common.config import ModelConfig
+from common.model.builtin import TINY_NAME, fill_deterministic, tiny_config
+from common.model.kernels import Kernels
+from common.model.loader import load_weights
+from common.model.qwen3_5 import HybridForCausalLM, model_class_for
+
+
+def load_config(name_or_path: str) -> ModelConfig:
+    if name_or_path == TINY_NAME:
+        return tiny_config()
+    return ModelConfig.from_pretrained(name_or_path)
+
+
+def load_model(name_or_path: str, *, dtype: torch.dtype | None = None,
+               device: str | torch.device = "cpu", kernels: Kernels | None = None,
+               progress: bool = False) -> HybridForCausalLM:
+    """Build the model on ``device`` and fill its weights (streamed, one tensor at a time)."""
+    config = load_config(name_or_path)
+    if name_or_path != TINY_NAME and not Path(name_or_path).is_dir():
+        raise FileNotFoundError(f"model {name_or_path!r} is neither 'tiny' nor a directory")
+    with torch.device(device):
+        model = model_class_for(config)(config, dtype=dtype, kernels=kernels)
+    params = dict(model.named_parameters())
+    if name_or_path == TINY_NAME:
+        fill_deterministic(params.items())
+    else:
+        load_weights(params, name_or_path, config, progress=progress)
+    return model.eval()

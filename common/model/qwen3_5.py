@@ -1,0 +1,174 @@
+"""The hybrid decoder (GDN + gated full attention) and its text-only wrapper classes.
+
+``HybridModel`` (the body) owns the embedding, the layers and the final norm; the wrappers
+``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM`` and ``Qwen3NextForCausalLM`` own ``lm_head``
+and the logits. Every hook the runtime needs is on the wrapper and delegates to the body, so code
+that holds a wrapper never reaches inside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.cache.kv_pool import KVPool
+from common.cache.state_pool import GDNStatePool
+from common.config import FULL_ATTENTION, ModelConfig
+from common.model.forward_batch import ForwardBatch
+from common.model.kernels import Kernels
+from common.ops.rope.reference import rope_inv_freq
+from common.model.layers import (DenseMLP, ForwardContext, GatedAttention, GatedDeltaNet,
+                                 RMSNorm, SparseMoE, _param)
+
+
+@dataclass
+class ModelOutput:
+    """Logits ``[M, V]`` (fp32) at the batch's ``logits_positions``; when DFLASH capture is on,
+    ``aux_hidden_states`` ``[T, len(layers) * H]``: the captured layers' outputs for every new
+    token, concatenated in the order the layers were given."""
+
+    logits: torch.Tensor
+    aux_hidden_states: torch.Tensor | None = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.is_full_attention = config.layer_types[layer_id] == FULL_ATTENTION
+        if self.is_full_attention:
+            self.self_attn = GatedAttention(config, layer_id, dtype)
+        else:
+            self.linear_attn = GatedDeltaNet(config, layer_id, dtype)
+        if config.is_moe_layer(layer_id):
+            self.mlp = SparseMoE(config, dtype)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        kn = ctx.kernels
+        h = self.input_layernorm(x, kn)
+        mixer = self.self_attn if self.is_full_attention else self.linear_attn
+        x = x + mixer(h, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x, kn), kn)
+
+
+class HybridModel(nn.Module):
+    """The body: embedding, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                         _weight=torch.empty(config.vocab_size,
+                                                             config.hidden_size, dtype=dtype))
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.capture_layer_ids: tuple[int, ...] = ()
+
+    def set_dflash_layers_to_capture(self, layer_ids) -> None:
+        if layer_ids is None:
+            raise ValueError("set_dflash_layers_to_capture needs a list of target layer ids, "
+                             "got None")
+        ids = tuple(int(i) for i in layer_ids)
+        bad = [i for i in ids if not 0 <= i < len(self.layers)]
+        if bad:
+            raise ValueError(f"layer ids {bad} are outside 0..{len(self.layers) - 1}")
+        self.capture_layer_ids = ids
+
+    def forward(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the final-normed hidden states ``[T, H]`` and the captured layer outputs."""
+        x = self.embed_tokens(ctx.batch.input_ids)
+        captured = {}
+        wanted = set(self.capture_layer_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx)
+            if i in wanted:
+                captured[i] = x
+        aux = (torch.cat([captured[i] for i in self.capture_layer_ids], dim=-1)
+               if self.capture_layer_ids else None)
+        return x, aux
+
+
+class HybridForCausalLM(nn.Module):
+    """Wrapper: owns ``lm_head`` and turns the body's hidden states into logits."""
+
+    model_types: tuple[str, ...] = ()
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
+                 kernels: Kernels | None = None) -> None:
+        super().__init__()
+        if config.model_type not in self.model_types:
+            raise ValueError(f"{type(self).__name__} serves {self.model_types}, "
+                             f"not {config.model_type!r}")
+        dtype = dtype or getattr(torch, config.dtype)
+        self.config = config
+        self.dtype = dtype
+        self.kernels = kernels or Kernels.select()
+        self.model = HybridModel(config, dtype)
+        # tied checkpoints have no head of their own: get_output_weight() returns the embedding
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(rotary_dim=config.rotary_dim, theta=config.rope_theta),
+            persistent=False)
+
+    # hooks the runtime uses; each delegates to the body
+    def set_dflash_layers_to_capture(self, layer_ids) -> None:
+        """Make every forward also return the outputs of ``layer_ids`` (DFLASH context)."""
+        self.model.set_dflash_layers_to_capture(layer_ids)
+
+    @property
+    def capture_layer_ids(self) -> tuple[int, ...]:
+        return self.model.capture_layer_ids
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings \
+            else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and head for already-selected hidden states ``[M, H]`` -> fp32 ``[M, V]``."""
+        hidden = self.model.norm(hidden, self.kernels)
+        return F.linear(hidden, self.get_output_weight()).float()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, *, kv_pool: KVPool | None,
+                state_pool: GDNStatePool | None) -> ModelOutput:
+        ctx = ForwardContext(batch=batch, kv_pool=kv_pool, state_pool=state_pool,
+                             kernels=self.kernels, inv_freq=self.inv_freq)
+        hidden, aux = self.model(ctx)
+        logits = self.compute_logits(hidden[batch.logits_positions])
+        return ModelOutput(logits=logits, aux_hidden_states=aux)
+
+
+class Qwen3_5ForCausalLM(HybridForCausalLM):
+    model_types = ("qwen3_5_text",)
+
+
+class Qwen3_5MoeForCausalLM(HybridForCausalLM):
+    model_types = ("qwen3_5_moe_text",)
+
+
+class Qwen3NextForCausalLM(HybridForCausalLM):
+    model_types = ("qwen3_next",)
+
+
+WRAPPER_CLASSES: dict[str, type[HybridForCausalLM]] = {
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+}
+
+
+def model_class_for(config: ModelConfig) -> type[HybridForCausalLM]:
+    return WRAPPER_CLASSES[config.model_type]
