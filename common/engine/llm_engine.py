@@ -28,15 +28,27 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
+    # prefill workers: after its first token a request leaves the batch but keeps its cache
+    # until release(), so its state can be handed to a decode worker
+    hold_after_prefill: bool = False
 
 
 @dataclass
 class TokenEvent:
-    """A token a request produced in one step; ``finish_reason`` is set on its last token."""
+    """A token a request produced in one step; ``finish_reason`` is set on its last token.
+
+    ``held`` marks the first token of a request kept for handoff (``hold_after_prefill``).
+    """
 
     request_id: str
     token_id: int
     finish_reason: str | None
+    held: bool = False
+
+
+def step_seed(seed: int, position: int) -> int:
+    """The generator seed for a request's ``position``-th output token."""
+    return (seed * 1_000_003 + position * 7_919 + 1) % (1 << 63)
 
 
 def make_pools(model: HybridForCausalLM, cache: CacheConfig,
@@ -85,11 +97,31 @@ class LLMEngine:
         self.requests[request_id] = req
         return req
 
-    def abort(self, request_id: str) -> None:
+    def admit_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int,
+                        params: SamplingParams, page_ids: list[int], slot: int) -> TokenEvent:
+        """Continue a request whose prompt state is already in ``page_ids`` / ``slot`` (a
+        handoff) and whose first token was sampled elsewhere. Returns that token's event."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, list(prompt_ids), params,
+                      generator=make_generator(params.seed, self.config.device),
+                      num_cached=len(prompt_ids), page_ids=list(page_ids), slot=slot)
+        self.requests[request_id] = req
+        self.scheduler.admit_prefilled(req)
+        return self._append(req, first_token)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its cache; False if it is unknown (already finished)."""
         req = self.requests.pop(request_id, None)
-        if req is not None:
-            req.finish_reason = "abort"
-            self.scheduler.release(req)
+        if req is None:
+            return False
+        req.finish_reason = "abort"
+        self.scheduler.release(req)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free a held (handed-off or failed) request's cache."""
+        self.abort(request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.num_requests > 0
@@ -106,18 +138,37 @@ class LLMEngine:
             return []
         rows = torch.tensor([i for i, _ in sampled], device=out.logits.device)
         reqs = [r for _, r in sampled]
+        for r in reqs:
+            if r.generator is not None:
+                # NOTE: reseeding per position makes a seeded request's tokens independent of
+                # where its earlier tokens were sampled (prefill worker, decode worker, locally).
+                r.generator.manual_seed(step_seed(r.params.seed, len(r.output_ids)))
         tokens = self.sampler.sample(out.logits[rows], [r.params for r in reqs],
                                      [r.generator for r in reqs]).tolist()
-        events = []
-        for r, tok in zip(reqs, tokens):
-            r.output_ids.append(tok)
-            reason = stop_reason(tok, len(r.output_ids), r.params, self.eos_token_ids)
-            if reason is not None:
-                r.finish_reason = reason
-                self.scheduler.release(r)
-                del self.requests[r.request_id]
-            events.append(TokenEvent(r.request_id, tok, reason))
-        return events
+        return [self._append(r, tok) for r, tok in zip(reqs, tokens)]
+
+    def _append(self, r: Request, tok: int) -> TokenEvent:
+        r.output_ids.append(tok)
+        if self.config.hold_after_prefill:
+            self.scheduler.detach(r)
+            return TokenEvent(r.request_id, tok, None, held=True)
+        reason = stop_reason(tok, len(r.output_ids), r.params, self.eos_token_ids)
+        if reason is not None:
+            r.finish_reason = reason
+            self.scheduler.release(r)
+            del self.requests[r.request_id]
+        return TokenEvent(r.request_id, tok, reason)
+
+    def load(self) -> dict[str, int]:
+        """Free and total capacity, queue lengths: what a worker reports to the router."""
+        return {
+            "free_pages": self.kv_pool.allocator.num_free,
+            "total_pages": self.kv_pool.allocator.num_usable,
+            "free_slots": self.state_pool.allocator.num_free,
+            "total_slots": self.state_pool.allocator.num_usable,
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+        }
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[Request]:

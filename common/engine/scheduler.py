@@ -25,6 +25,9 @@ class RequestTooLarge(ValueError):
 class SchedulerConfig:
     max_prefill_tokens: int = 2048  # token budget of one EXTEND step (the prefill chunk size)
     max_running_requests: int = 64
+    # decode and local engines reserve pages for prompt + max_new_tokens at admission; a
+    # prefill worker only ever writes the prompt
+    reserve_output_tokens: bool = True
 
 
 @dataclass
@@ -55,9 +58,14 @@ class Scheduler:
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def pages_needed(self, request: Request) -> int:
+        tokens = (request.max_total_tokens if self.config.reserve_output_tokens
+                  else len(request.prompt_ids))
+        return self.kv_pool.pages_for(tokens)
+
     def check_fits(self, request: Request) -> None:
         """Raise :class:`RequestTooLarge` if the request could never be admitted."""
-        pages = self.kv_pool.pages_for(request.max_total_tokens)
+        pages = self.pages_needed(request)
         if pages > self.kv_pool.allocator.num_usable:
             raise RequestTooLarge(
                 f"prompt of {len(request.prompt_ids)} tokens + max_new_tokens "
@@ -75,7 +83,7 @@ class Scheduler:
 
     def reserve(self, request: Request) -> bool:
         """Give a request a state slot and pages for its whole budget, if both are free."""
-        pages = self.kv_pool.pages_for(request.max_total_tokens)
+        pages = self.pages_needed(request)
         if not (self.kv_pool.allocator.can_allocate(pages)
                 and self.state_pool.allocator.can_allocate(1)):
             return False
@@ -83,6 +91,11 @@ class Scheduler:
         request.slot = self.state_pool.allocate()
         request.status = RequestStatus.RUNNING
         return True
+
+    def detach(self, request: Request) -> None:
+        """Take a request out of the batch but leave it its cache (release() frees it)."""
+        if request in self.running:
+            self.running.remove(request)
 
     def release(self, request: Request) -> None:
         """Return a request's pages and slot (idempotent) and drop it from the queues."""

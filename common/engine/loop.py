@@ -1,0 +1,92 @@
+"""A dedicated thread that owns an engine: other threads reach it only through commands.
+
+Pools, schedulers and the model are touched by this thread alone, so they need no locks, and the
+asyncio event loop of a service never runs model work.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """Subclasses implement :meth:`has_work` and :meth:`step`; :meth:`call` runs a function on
+    the engine thread between steps and returns a future of its result."""
+
+    def __init__(self, name: str) -> None:
+        self._commands: queue.Queue = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        if self._stopping.is_set():
+            future.set_exception(RuntimeError("engine is stopped"))
+            return future
+        self._commands.put((fn, args, future))
+        return future
+
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def on_fatal(self, exc: BaseException) -> None:
+        """Called once if a step raises: the engine state can no longer be trusted."""
+
+    def _run_command(self, item) -> None:
+        fn, args, future = item
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to the caller, not raised here
+            future.set_exception(exc)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                item = self._commands.get(timeout=None if not self.has_work() else 0)
+            except queue.Empty:
+                item = False
+            if item is None:
+                break
+            if item:
+                self._run_command(item)
+                continue  # drain all pending commands before the next step
+            try:
+                self.step()
+            except BaseException as exc:
+                log.exception("engine step failed")
+                self.error = exc
+                self.on_fatal(exc)
+                break
+        # fail whatever is still queued so no caller waits forever
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if item:
+                item[2].set_exception(RuntimeError("engine stopped"))

@@ -1,0 +1,34 @@
+"""Plain-torch SwiGLU MLP (dense layers and the MoE shared expert)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["silu_glu_mlp"]
+
+
+def silu_glu_mlp(
+    *, x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor
+) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` computed in fp32 (fp64 for fp64 x).
+
+    Args:
+        x: [..., H].
+        gate_proj, up_proj: [I, H] (nn.Linear layout).
+        down_proj: [H, I].
+
+    Returns:
+        [..., H] in x.dtype.
+    """
+    hidden = x.shape[-1]
+    if gate_proj.dim() != 2 or gate_proj.shape[1] != hidden or up_proj.shape != gate_proj.shape:
+        raise ValueError(
+            f"gate_proj and up_proj must both be [I, {hidden}], got {tuple(gate_proj.shape)} and {tuple(up_proj.shape)}"
+        )
+    if down_proj.shape != (hidden, gate_proj.shape[0]):
+        raise ValueError(f"down_proj must be [{hidden}, {gate_proj.shape[0]}], got {tuple(down_proj.shape)}")
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = x.to(dt)
+    act = F.silu(h @ gate_proj.to(dt).T) * (h @ up_proj.to(dt).T)
+    return (act @ down_proj.to(dt).T).to(x.dtype)

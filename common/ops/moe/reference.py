@@ -1,0 +1,96 @@
+"""Plain-torch sparse MoE block of Qwen3-Next / Qwen3.5-MoE: softmax top-k router, packed experts, shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common.ops.mlp.reference import silu_glu_mlp
+
+__all__ = ["sparse_moe"]
+
+
+def _route(x, router_weight, top_k, norm_topk_prob, dt):
+    """Top-k expert ids [T, k] and their weights [T, k], rounded to x.dtype as transformers does."""
+    # transformers forms the logits in x.dtype; rounding them the same way keeps bf16 expert choice identical.
+    logits = (x.to(dt) @ router_weight.to(dt).T).to(x.dtype).to(dt)
+    # Softmax over *all* experts first, then top-k: the kept weights do not sum to 1 unless renormalised.
+    probs = torch.softmax(logits, dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(x.dtype)
+
+
+def sparse_moe(
+    *,
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    experts_gate_up: torch.Tensor,
+    experts_down: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    shared_gate_proj: torch.Tensor | None = None,
+    shared_up_proj: torch.Tensor | None = None,
+    shared_down_proj: torch.Tensor | None = None,
+    shared_expert_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed experts plus an optional sigmoid-gated shared expert.
+
+    Router: logits ``x @ router_weight.T`` rounded to x.dtype, softmax in fp32 over all E experts,
+    top_k, renormalised when norm_topk_prob (Qwen3.5-MoE always renormalises; Qwen3-Next follows its
+    config), then rounded to x.dtype.
+    ``out = sum_j w_j * down_e(silu(gate_e x) * up_e x) + sigmoid(x @ shared_expert_gate.T) * shared_mlp(x)``.
+    Matmuls and the sum run in fp32 (fp64 for fp64 x).
+
+    Args:
+        x: [T, H].
+        router_weight: [E, H].
+        experts_gate_up: [E, 2I, H]; rows [:I] are the gate projection, [I:] the up projection.
+        experts_down: [E, H, I].
+        top_k: experts per token.
+        norm_topk_prob: divide the kept weights by their sum.
+        shared_gate_proj, shared_up_proj: [I_s, H]; shared_down_proj: [H, I_s];
+        shared_expert_gate: [1, H]. Give all four or none.
+
+    Returns:
+        [T, H] in x.dtype.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    t, hidden = x.shape
+    if router_weight.dim() != 2 or router_weight.shape[1] != hidden:
+        raise ValueError(f"router_weight must be [E, {hidden}], got {tuple(router_weight.shape)}")
+    num_experts = router_weight.shape[0]
+    if experts_gate_up.dim() != 3 or experts_gate_up.shape[0] != num_experts or experts_gate_up.shape[2] != hidden:
+        raise ValueError(f"experts_gate_up must be [{num_experts}, 2I, {hidden}], got {tuple(experts_gate_up.shape)}")
+    if experts_gate_up.shape[1] % 2:
+        raise ValueError(f"experts_gate_up rows must be 2I (gate then up), got {experts_gate_up.shape[1]}")
+    inter = experts_gate_up.shape[1] // 2
+    if experts_down.shape != (num_experts, hidden, inter):
+        raise ValueError(f"experts_down must be [{num_experts}, {hidden}, {inter}], got {tuple(experts_down.shape)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    shared = (shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate)
+    if any(p is None for p in shared) and not all(p is None for p in shared):
+        raise ValueError("give all four shared expert weights or none of them")
+    if shared_expert_gate is not None and shared_expert_gate.shape != (1, hidden):
+        raise ValueError(f"shared_expert_gate must be [1, {hidden}], got {tuple(shared_expert_gate.shape)}")
+
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    ids, weights = _route(x, router_weight, top_k, norm_topk_prob, dt)
+    h = x.to(dt)
+    out = torch.zeros(t, hidden, dtype=dt, device=x.device)
+    # Visit experts in ascending id, each over the tokens that picked it, so the sum order is fixed.
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        gate_up = h[tok] @ experts_gate_up[e].to(dt).T
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        contrib = (act @ experts_down[e].to(dt).T) * weights[tok, slot, None].to(dt)
+        out.index_add_(0, tok, contrib)
+    if shared_expert_gate is not None:
+        shared_out = silu_glu_mlp(
+            x=h, gate_proj=shared_gate_proj, up_proj=shared_up_proj, down_proj=shared_down_proj
+        )
+        out = out + torch.sigmoid(h @ shared_expert_gate.to(dt).T) * shared_out
+    return out.to(x.dtype)

@@ -1,0 +1,89 @@
+"""Which implementation of each op to use: op name -> backend name -> lazy factory.
+
+Factories are called on first ``get`` so that a backend's heavy imports (triton, flashinfer) only
+happen when it is actually chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["OpRegistry", "default_registry", "REFERENCE_BACKEND", "REFERENCE_OPS"]
+
+REFERENCE_BACKEND = "reference"
+
+# op name -> module holding its plain-torch definition (attribute of the same name).
+REFERENCE_OPS: dict[str, str] = {
+    "gdn_gating": "common.ops.gdn.reference",
+    "chunk_gated_delta_rule": "common.ops.gdn.reference",
+    "recurrent_gated_delta_rule": "common.ops.gdn.reference",
+    "causal_conv1d_prefill": "common.ops.conv1d.reference",
+    "causal_conv1d_update": "common.ops.conv1d.reference",
+    "paged_attention": "common.ops.attention.reference",
+    "rms_norm": "common.ops.norm.reference",
+    "gated_rms_norm": "common.ops.norm.reference",
+    "l2norm": "common.ops.norm.reference",
+    "rope_inv_freq": "common.ops.rope.reference",
+    "apply_rope": "common.ops.rope.reference",
+    "silu_glu_mlp": "common.ops.mlp.reference",
+    "sparse_moe": "common.ops.moe.reference",
+}
+
+Factory = Callable[[], Callable[..., Any]]
+
+
+def _import_factory(module: str, attr: str) -> Factory:
+    def factory() -> Callable[..., Any]:
+        return getattr(importlib.import_module(module), attr)
+
+    return factory
+
+
+class OpRegistry:
+    """Explicit table of op implementations; resolved functions are cached per registry."""
+
+    def __init__(self) -> None:
+        self._factories: dict[str, dict[str, Factory]] = {}
+        self._resolved: dict[tuple[str, str], Callable[..., Any]] = {}
+
+    def register(self, op: str, backend: str, factory: Factory, *, replace: bool = False) -> None:
+        """Add ``factory`` (no arguments, returns the op's callable) as ``backend`` of ``op``."""
+        if not callable(factory):
+            raise ValueError(f"factory for {op!r}/{backend!r} must be callable, got {factory!r}")
+        backends = self._factories.setdefault(op, {})
+        if backend in backends and not replace:
+            raise ValueError(f"op {op!r} already has a {backend!r} backend (pass replace=True to override)")
+        backends[backend] = factory
+        self._resolved.pop((op, backend), None)
+
+    def get(self, op: str, backend: str = REFERENCE_BACKEND) -> Callable[..., Any]:
+        """The callable of ``op`` for ``backend``; ValueError naming the known choices otherwise."""
+        backends = self._factories.get(op)
+        if backends is None:
+            raise ValueError(f"unknown op {op!r}; known ops: {', '.join(sorted(self._factories)) or '(none)'}")
+        if backend not in backends:
+            raise ValueError(
+                f"op {op!r} has no backend {backend!r}; supported backends: {', '.join(sorted(backends))}"
+            )
+        key = (op, backend)
+        if key not in self._resolved:
+            self._resolved[key] = backends[backend]()
+        return self._resolved[key]
+
+    def ops(self) -> list[str]:
+        return sorted(self._factories)
+
+    def backends(self, op: str) -> list[str]:
+        if op not in self._factories:
+            raise ValueError(f"unknown op {op!r}; known ops: {', '.join(sorted(self._factories)) or '(none)'}")
+        return sorted(self._factories[op])
+
+
+def default_registry() -> OpRegistry:
+    """A fresh registry with the plain-torch ``reference`` backend of every op."""
+    registry = OpRegistry()
+    for op, module in REFERENCE_OPS.items():
+        registry.register(op, REFERENCE_BACKEND, _import_factory(module, op))
+    return registry

@@ -1,0 +1,45 @@
+import pytest
+
+from common.ops.gdn.reference import chunk_gated_delta_rule
+from common.ops.registry import REFERENCE_OPS, OpRegistry, default_registry
+
+
+def test_default_registry_resolves_every_reference_op():
+    registry = default_registry()
+    assert registry.ops() == sorted(REFERENCE_OPS)
+    for op in REFERENCE_OPS:
+        assert callable(registry.get(op, "reference"))
+        assert registry.backends(op) == ["reference"]
+    assert registry.get("chunk_gated_delta_rule") is chunk_gated_delta_rule
+
+
+def test_unknown_backend_lists_supported_backends():
+    registry = default_registry()
+    registry.register("paged_attention", "fast", lambda: (lambda **kw: None))
+    with pytest.raises(ValueError, match=r"supported backends: fast, reference"):
+        registry.get("paged_attention", "flashinfer")
+
+
+def test_unknown_op_lists_known_ops():
+    with pytest.raises(ValueError, match="known ops: .*sparse_moe"):
+        default_registry().get("flash_mla", "reference")
+
+
+def test_factories_are_lazy_and_registries_independent():
+    calls = []
+
+    def factory():
+        calls.append(1)
+        return len
+
+    registry = OpRegistry()
+    registry.register("count", "reference", factory)
+    assert calls == []
+    assert registry.get("count") is len and registry.get("count") is len
+    assert calls == [1]
+    with pytest.raises(ValueError, match="already"):
+        registry.register("count", "reference", factory)
+    registry.register("count", "reference", lambda: max, replace=True)
+    assert registry.get("count") is max
+    with pytest.raises(ValueError, match="unknown op"):
+        default_registry().get("count")
