@@ -5,6 +5,8 @@ Index 0 of every pool is scratch: padded rows of a batch point at it, so it is n
 
 from __future__ import annotations
 
+import threading
+
 
 class OutOfResources(RuntimeError):
     """A pool cannot satisfy an allocation; the caller should refuse or wait, not crash."""
@@ -14,7 +16,8 @@ class IndexAllocator:
     """Hands out indices 1..capacity-1 of a pool and takes them back.
 
     Every index has at most one owner; freeing an index that is not allocated is an error, so a
-    double free shows up at once instead of corrupting a neighbour's cache.
+    double free shows up at once instead of corrupting a neighbour's cache. Thread-safe: a decode
+    worker reserves room for an arriving handoff while its engine thread frees finished requests.
     """
 
     def __init__(self, capacity: int, *, name: str) -> None:
@@ -25,6 +28,7 @@ class IndexAllocator:
         # LIFO keeps recently freed (cache-warm) entries in use first.
         self._free = list(range(capacity - 1, 0, -1))
         self._used: set[int] = set()
+        self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
@@ -40,16 +44,18 @@ class IndexAllocator:
     def allocate(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError("cannot allocate a negative count")
-        if n > len(self._free):
-            raise OutOfResources(f"{self.name}: asked for {n}, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
-        self._used.update(out)
-        return out
+        with self._lock:
+            if n > len(self._free):
+                raise OutOfResources(f"{self.name}: asked for {n}, {len(self._free)} free")
+            out = [self._free.pop() for _ in range(n)]
+            self._used.update(out)
+            return out
 
     def free(self, indices: list[int]) -> None:
-        for i in indices:
-            if i not in self._used:
-                raise ValueError(f"{self.name}: index {i} is not allocated")
-        for i in indices:
-            self._used.remove(i)
-            self._free.append(i)
+        with self._lock:
+            for i in indices:
+                if i not in self._used:
+                    raise ValueError(f"{self.name}: index {i} is not allocated")
+            for i in indices:
+                self._used.remove(i)
+                self._free.append(i)
