@@ -34,3 +34,13 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | None = None,
     else:
         load_weights(params, name_or_path, config, progress=progress)
     return model.eval()
+
+
+def weights_identity(name_or_path: str) -> str:
+    """Names the weights for the handoff fingerprint: the built-in seed, or the checkpoint's
+    safetensors files with their sizes (cheap, and changes when any file is replaced)."""
+    if name_or_path == TINY_NAME:
+        from common.model.builtin import TINY_SEED
+        return f"builtin:{TINY_NAME}:{TINY_SEED}"
+    files = sorted(Path(name_or_path).glob("*.safetensors"))
+    return ";".join(f"{f.name}:{f.stat().st_size}" for f in files)

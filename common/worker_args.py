@@ -1,0 +1,47 @@
+"""Command-line settings both workers share, turned into frozen engine configs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from common.engine.llm_engine import CacheConfig, EngineConfig
+from common.engine.scheduler import SchedulerConfig
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (it is printed)")
+    p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (built in)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the config's)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=2048, help="KV pages, scratch page included")
+    p.add_argument("--num-slots", type=int, default=65, help="GDN state slots, scratch included")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048,
+                   help="token budget of one prefill step (the chunk size of long prompts)")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--log-level", default="INFO")
+
+
+def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> EngineConfig:
+    return EngineConfig(
+        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
+                          num_slots=args.num_slots),
+        scheduler=SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens,
+                                  max_running_requests=args.max_running_requests,
+                                  reserve_output_tokens=not prefill),
+        device=args.device,
+        hold_after_prefill=prefill,
+    )
+
+
+def dtype_from_args(args: argparse.Namespace) -> torch.dtype | None:
+    return getattr(torch, args.dtype) if args.dtype else None
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

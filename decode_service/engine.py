@@ -1,0 +1,138 @@
+"""The decode worker's engine: admits handed-off requests into its pools and runs continuous
+batching over them on its own thread. Imports no grpc."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+
+from common.cache.allocator import OutOfResources
+from common.engine.llm_engine import LLMEngine, TokenEvent
+from common.engine.loop import EngineLoop
+from common.handoff.errors import HandoffError
+from common.handoff.layout import to_dtype
+from common.handoff.parts import HeaderPart
+from common.handoff.pools import scatter_prompt_state
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[TokenEvent], None]
+
+
+class PoolReservation:
+    """Pages and a state slot held for one arriving handoff, with CPU staging for its bytes.
+
+    Bytes land in staging tensors and are copied into the pools on the engine thread at
+    admission: the engine thread is then the only writer of pool memory, and a handoff that
+    fails half-way never touches it. ``release`` is idempotent.
+    """
+
+    def __init__(self, engine: LLMEngine, header: HeaderPart, page_ids: list[int],
+                 slot: int) -> None:
+        self._engine = engine
+        self.header = header
+        self.page_ids = page_ids
+        self.slot = slot
+        self.staging = {name: torch.empty(spec.shape, dtype=to_dtype(spec.dtype))
+                        for name, spec in header.manifest.items()}
+        self.owned = True  # False once admitted (the request owns the room) or released
+        # NOTE: admission (engine thread) and release (a cancelled handler) can race; whoever
+        # takes ownership first under this lock wins, so pages never have two owners.
+        self.lock = threading.Lock()
+
+    def destination(self, field: str, layer: int) -> torch.Tensor:
+        return self.staging[field][layer]
+
+    def commit(self) -> None:
+        """Every byte arrived and checked; admission (on the engine thread) follows."""
+
+    def release(self) -> None:
+        with self.lock:
+            if not self.owned:
+                return
+            self.owned = False
+        self._engine.kv_pool.allocator.free(self.page_ids)
+        self._engine.state_pool.allocator.free([self.slot])
+        self.staging = {}
+
+
+class DecodeEngine(EngineLoop):
+    def __init__(self, engine: LLMEngine, sink: EventSink) -> None:
+        super().__init__("decode-engine")
+        if engine.config.hold_after_prefill:
+            raise ValueError("a decode engine continues requests; hold_after_prefill must be off")
+        self.engine = engine
+        self.sink = sink
+        self.counters = {"admitted": 0, "finished": 0, "aborted": 0, "generated_tokens": 0}
+
+    # --- any thread ---
+    def reserve(self, header: HeaderPart) -> PoolReservation:
+        """Hold room for a handoff (thread-safe) or raise RESOURCE_EXHAUSTED."""
+        e = self.engine
+        total = header.prompt_len + header.sampling.max_new_tokens
+        pages = e.kv_pool.pages_for(total)
+        if pages > e.kv_pool.allocator.num_usable:
+            raise HandoffError("RESOURCE_EXHAUSTED",
+                               f"{total} tokens need {pages} KV pages; this worker has "
+                               f"{e.kv_pool.allocator.num_usable}")
+        try:
+            page_ids = e.kv_pool.allocator.allocate(pages)
+        except OutOfResources as exc:
+            raise HandoffError("RESOURCE_EXHAUSTED", str(exc)) from None
+        try:
+            (slot,) = e.state_pool.allocator.allocate(1)
+        except OutOfResources as exc:
+            e.kv_pool.allocator.free(page_ids)
+            raise HandoffError("RESOURCE_EXHAUSTED", str(exc)) from None
+        return PoolReservation(e, header, page_ids, slot)
+
+    def admit(self, reservation: PoolReservation) -> Future:
+        return self.call(self._admit, reservation)
+
+    def abort(self, handoff_id: int) -> Future:
+        return self.call(self._abort, handoff_id)
+
+    def load(self) -> Future:
+        return self.call(self.engine.load)
+
+    # --- engine thread ---
+    def _admit(self, res: PoolReservation) -> None:
+        with res.lock:
+            if not res.owned:
+                raise HandoffError("ABORTED", f"handoff {res.header.handoff_id} was released")
+            res.owned = False  # from here the request owns its pages and slot
+        h = res.header
+        e = self.engine
+        scatter_prompt_state(e.kv_pool, e.state_pool, res.page_ids, res.slot, res.staging)
+        res.staging = {}
+        self.counters["admitted"] += 1
+        event = e.admit_prefilled(str(h.handoff_id), list(h.prompt_ids), h.first_token,
+                                  h.sampling, res.page_ids, res.slot)
+        self._emit(event)
+
+    def _abort(self, handoff_id: int) -> bool:
+        found = self.engine.abort(str(handoff_id))
+        if found:
+            self.counters["aborted"] += 1
+        return found
+
+    def _emit(self, event: TokenEvent) -> None:
+        self.counters["generated_tokens"] += 1
+        if event.finish_reason is not None:
+            self.counters["finished"] += 1
+        self.sink(event)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self) -> None:
+        for event in self.engine.step():
+            self._emit(event)
+
+    def on_fatal(self, exc: BaseException) -> None:
+        for request_id in list(self.engine.requests):
+            self.sink(TokenEvent(request_id, -1, "error"))

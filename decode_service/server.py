@@ -1,0 +1,116 @@
+"""The Decode servicer: validates and lands handoffs, streams tokens, aborts, reports load."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from common import convert
+from common.engine.llm_engine import TokenEvent
+from common.handoff.errors import HandoffError
+from common.handoff.layout import LayoutDescriptor
+from common.handoff.parts import HeaderPart
+from common.handoff.stream import HandoffAssembler
+from common.load import LoadReport
+from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
+from decode_service.engine import DecodeEngine
+from decode_service.streams import TokenStreams
+
+log = logging.getLogger(__name__)
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, engine: DecodeEngine, streams: TokenStreams, layout: LayoutDescriptor,
+                 fingerprint: str, address: str, max_handoff_bytes: int) -> None:
+        self.engine = engine
+        self.streams = streams
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.address = address
+        self.max_handoff_bytes = max_handoff_bytes
+        self.counters = {"handoffs_received": 0, "handoffs_refused": 0, "handoff_bytes": 0}
+
+    def _reserve(self, header: HeaderPart):
+        if self.streams.is_aborted(header.handoff_id):
+            raise HandoffError("ABORTED", f"handoff {header.handoff_id} was aborted")
+        return self.engine.reserve(header)
+
+    async def Handoff(self, request_iterator, context) -> decode_pb2.HandoffAck:
+        assembler = HandoffAssembler(self.layout, self.fingerprint, self.max_handoff_bytes,
+                                     self._reserve)
+        reservation = None
+        try:
+            async for message in request_iterator:
+                try:
+                    part = convert.handoff_part_from_pb(message)
+                except ValueError as exc:
+                    raise HandoffError("INVALID_ARGUMENT", str(exc)) from None
+                assembler.on_part(part)
+                header = assembler.header
+                if header is not None and self.streams.is_aborted(header.handoff_id):
+                    raise HandoffError("ABORTED", f"handoff {header.handoff_id} was aborted")
+            # DATA_LOSS if the stream ended before the trailer; else the verified reservation
+            reservation = assembler.on_end()
+            await asyncio.wrap_future(self.engine.admit(reservation))
+        except HandoffError as exc:
+            self.counters["handoffs_refused"] += 1
+            if reservation is not None:
+                reservation.release()
+            assembler.abort()
+            log.info("handoff refused: %s", exc)
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        except BaseException:
+            # cancelled by the sender, or a bug: either way free what was held
+            if reservation is not None:
+                reservation.release()
+            assembler.abort()
+            raise
+        self.counters["handoffs_received"] += 1
+        self.counters["handoff_bytes"] += assembler.bytes_received
+        return decode_pb2.HandoffAck(handoff_id=assembler.header.handoff_id,
+                                     bytes_received=assembler.bytes_received)
+
+    async def Stream(self, request: decode_pb2.StreamRequest, context):
+        handoff_id = request.handoff_id
+        try:
+            queue = self.streams.subscribe(handoff_id)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        finished = False
+        try:
+            while not finished:
+                events: list[TokenEvent] = [await queue.get()]
+                while not queue.empty():  # coalesce what the engine produced meanwhile
+                    events.append(queue.get_nowait())
+                tokens = [e.token_id for e in events if e.token_id >= 0]
+                last = events[-1].finish_reason
+                finished = last is not None
+                yield decode_pb2.TokenEvent(
+                    token_ids=tokens, finish_reason=convert.finish_reason_to_pb(last),
+                    accept_lengths=[1] * len(tokens),
+                    error="decode engine failed" if last == "error" else "")
+        finally:
+            self.streams.close(handoff_id)
+            if not finished:
+                # the router went away or cancelled: stop generating and free the cache
+                self.streams.mark_aborted(handoff_id)
+                self.engine.abort(handoff_id)
+
+    async def Abort(self, request: types_pb2.AbortRequest, context) -> types_pb2.AbortResponse:
+        self.streams.mark_aborted(request.handoff_id)
+        found = await asyncio.wrap_future(self.engine.abort(request.handoff_id))
+        if found:
+            self.streams.post(TokenEvent(str(request.handoff_id), -1, "abort"))
+        log.info("abort handoff %d (%s): found=%s", request.handoff_id, request.reason, found)
+        return types_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context) -> types_pb2.LoadReport:
+        load = await asyncio.wrap_future(self.engine.load())
+        return convert.load_report_to_pb(LoadReport(
+            kind="decode", address=self.address, model_fingerprint=self.fingerprint,
+            free_pages=load["free_pages"], total_pages=load["total_pages"],
+            free_slots=load["free_slots"], total_slots=load["total_slots"],
+            queue_len=load["waiting"], running=load["running"],
+            counters={**self.engine.counters, **self.counters}))
