@@ -1,0 +1,174 @@
+"""Handoff cost: bytes and time to move one request's prompt state from prefill to decode.
+
+Streams random payloads of real shapes (the built-in tiny model and a Qwen3.5-4B-shaped config)
+through ``Decode.Handoff`` of a decode service running in a separate process on 127.0.0.1, for
+prompt lengths 128..32k, and prints the rate next to a plain in-memory copy of the same bytes.
+The model itself is not run: the decode side holds real pools and a weightless (meta) model, so
+what is timed is exactly the handoff (chunking, gRPC, checksums, validation, landing in pools).
+
+    .venv/bin/python -m benchmarks.handoff [--shapes tiny,qwen3.5-4b] [--out out/handoff.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.shapes import SHAPES, shape_config
+from common.config import ModelConfig
+from common.handoff.layout import LayoutDescriptor, model_fingerprint
+from common.handoff.payload import HandoffPayload, new_handoff_id
+from common.model.builtin import tiny_config
+from common.sampling import SamplingParams
+
+PAGE_SIZE = 16
+LENGTHS = (128, 512, 2048, 8192, 32768)
+
+
+def config_for(shape: str) -> ModelConfig:
+    return tiny_config() if shape == "tiny" else shape_config(shape)
+
+
+def dtype_for(config: ModelConfig) -> torch.dtype:
+    return getattr(torch, config.dtype)
+
+
+def fingerprint_for(config: ModelConfig) -> str:
+    return model_fingerprint(config, "benchmark:random")
+
+
+async def serve(shape: str, num_pages: int) -> None:
+    """The decode side: real pools, a weightless model, the real servicer."""
+    import grpc
+
+    from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+    from common.grpc_util import SERVER_OPTIONS
+    from common.model.qwen3_5 import model_class_for
+    from common.pb.flashsplit.v1 import decode_pb2_grpc
+    from decode_service.engine import DecodeEngine
+    from decode_service.server import DecodeServicer
+    from decode_service.streams import TokenStreams
+
+    config = config_for(shape)
+    with torch.device("meta"):
+        model = model_class_for(config)(config)
+    engine_config = EngineConfig(cache=CacheConfig(page_size=PAGE_SIZE, num_pages=num_pages,
+                                                   num_slots=3))
+    layout = LayoutDescriptor.from_model(config, PAGE_SIZE, dtype_for(config))
+    streams = TokenStreams(asyncio.get_running_loop())
+    engine = DecodeEngine(LLMEngine(model, engine_config), streams.post)
+    engine.start()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    port = server.add_insecure_port("127.0.0.1:0")
+    decode_pb2_grpc.add_DecodeServicer_to_server(
+        DecodeServicer(engine, streams, layout, fingerprint_for(config), f"127.0.0.1:{port}",
+                       max_handoff_bytes=1 << 40), server)
+    await server.start()
+    print(f"listening on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
+
+
+def make_payload(config: ModelConfig, prompt_len: int) -> HandoffPayload:
+    layout = LayoutDescriptor.from_model(config, PAGE_SIZE, dtype_for(config))
+    gen = torch.Generator().manual_seed(prompt_len)
+    fields = {}
+    for name in ("kv", "conv_state", "ssm_state"):
+        dtype = getattr(torch, layout.field_dtype(name))
+        fields[name] = torch.randn(layout.field_shape(name, prompt_len), generator=gen).to(dtype)
+    ids = torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).tolist()
+    return HandoffPayload(handoff_id=new_handoff_id(), fingerprint=fingerprint_for(config),
+                          layout=layout, prompt_ids=tuple(ids), first_token=1,
+                          sampling=SamplingParams(temperature=0.0, max_new_tokens=1),
+                          fields=fields)
+
+
+def copy_seconds(payload: HandoffPayload, repeats: int) -> float:
+    """Best time of a plain in-memory copy of the same tensors (the floor for any transport)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for t in payload.fields.values():
+            t.clone()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+async def measure(address: str, config: ModelConfig, lengths, repeats: int) -> list[dict]:
+    from prefill_service.handoff_sender import HandoffSender
+
+    sender = HandoffSender()
+    rows = []
+    try:
+        for n in lengths:
+            best = float("inf")
+            for _ in range(repeats):
+                payload = make_payload(config, n)  # a fresh handoff id each time
+                start = time.perf_counter()
+                await sender.send(address, payload)
+                best = min(best, time.perf_counter() - start)
+            nbytes = sum(t.numel() * t.element_size() for t in payload.fields.values())
+            copy_s = copy_seconds(payload, repeats)
+            rows.append({"prompt_len": n, "bytes": nbytes, "handoff_s": best,
+                         "handoff_MBps": nbytes / best / 1e6, "memcpy_s": copy_s,
+                         "memcpy_MBps": nbytes / copy_s / 1e6,
+                         "slowdown_vs_memcpy": best / copy_s})
+    finally:
+        await sender.close()
+    return rows
+
+
+def run_shape(shape: str, lengths, repeats: int) -> list[dict]:
+    config = config_for(shape)
+    num_pages = max(lengths) // PAGE_SIZE + 2
+    server = subprocess.Popen([sys.executable, "-m", "benchmarks.handoff", "--serve", shape,
+                               "--num-pages", str(num_pages)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        if "listening on" not in line:
+            raise RuntimeError(f"decode server for {shape} did not start: {line!r}")
+        rows = asyncio.run(measure(line.split()[-1], config, lengths, repeats))
+    finally:
+        server.terminate()
+        server.wait()
+    return [{"shape": shape, **r} for r in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="tiny,qwen3.5-4b",
+                   help=f"comma-separated: tiny,{','.join(SHAPES)}")
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="out/handoff.json")
+    p.add_argument("--serve", help=argparse.SUPPRESS)
+    p.add_argument("--num-pages", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve:
+        asyncio.run(serve(args.serve, args.num_pages))
+        return 0
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows = []
+    for shape in args.shapes.split(","):
+        rows += run_shape(shape, lengths, args.repeats)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
+    print(f"{'shape':<12} {'prompt':>7} {'MiB':>9} {'handoff ms':>11} {'MB/s':>8} "
+          f"{'memcpy MB/s':>12} {'x memcpy':>9}")
+    for r in rows:
+        print(f"{r['shape']:<12} {r['prompt_len']:>7} {r['bytes'] / 2**20:>9.2f} "
+              f"{r['handoff_s'] * 1e3:>11.1f} {r['handoff_MBps']:>8.0f} "
+              f"{r['memcpy_MBps']:>12.0f} {r['slowdown_vs_memcpy']:>9.1f}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Released model geometries (from their config.json files) for benchmarks with random weights."""
+
+from __future__ import annotations
+
+from common.config import ModelConfig
+
+_QWEN3_5_COMMON = {
+    "head_dim": 256, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25},
+    "vocab_size": 248320, "rms_norm_eps": 1e-6, "dtype": "bfloat16",
+}
+
+QWEN3_5_4B = {
+    **_QWEN3_5_COMMON, "model_type": "qwen3_5_text", "hidden_size": 2560,
+    "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "linear_num_value_heads": 32, "intermediate_size": 9216, "tie_word_embeddings": True,
+}
+
+QWEN3_5_35B_A3B = {
+    **_QWEN3_5_COMMON, "model_type": "qwen3_5_moe_text", "hidden_size": 2048,
+    "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+}
+
+SHAPES = {"qwen3.5-4b": QWEN3_5_4B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
+
+
+def shape_config(name: str) -> ModelConfig:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    return ModelConfig.from_dict(dict(SHAPES[name]))
