@@ -1,0 +1,203 @@
+"""Conversions between the protobuf messages and the dataclasses the rest of the code uses.
+
+This is the only module outside the servicers and clients that imports ``*_pb2``. Conversions of
+handoff messages raise ``HandoffError`` (INVALID_ARGUMENT) for malformed input, so the decode
+servicer has one error path; the others raise ``ValueError``, which servicers answer with
+INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import msgpack
+
+from common.handoff.errors import HandoffError
+from common.handoff.layout import LayoutDescriptor
+from common.handoff.manifest import FieldSpec
+from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, TrailerPart
+from common.load import LoadReport
+from common.pb.flashsplit.v1 import decode_pb2, types_pb2
+from common.sampling import SamplingParams
+
+# finish reasons: the engines' strings <-> the wire enum ("" = not finished)
+_FINISH_TO_PB = {
+    "": types_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": types_pb2.FINISH_REASON_STOP,
+    "length": types_pb2.FINISH_REASON_LENGTH,
+    "abort": types_pb2.FINISH_REASON_ABORT,
+    "error": types_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+_KIND_TO_PB = {"prefill": types_pb2.WORKER_KIND_PREFILL, "decode": types_pb2.WORKER_KIND_DECODE}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+# SamplingParams fields with explicit presence on the wire, in declaration order
+_SAMPLING_SCALARS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens",
+                     "ignore_eos")
+
+
+def finish_reason_to_pb(reason: str | None) -> int:
+    """"stop" | "length" | "abort" | "error" | "" (or None: not finished) -> FinishReason."""
+    try:
+        return _FINISH_TO_PB[reason or ""]
+    except KeyError:
+        raise ValueError(f"unknown finish reason {reason!r}; expected one of "
+                         f"{sorted(_FINISH_TO_PB)}") from None
+
+
+def finish_reason_from_pb(value: int) -> str:
+    """FinishReason -> "" (not finished), "stop", "length", "abort" or "error"."""
+    try:
+        return _FINISH_FROM_PB[value]
+    except KeyError:
+        raise ValueError(f"unknown FinishReason value {value}") from None
+
+
+# sampling
+def sampling_to_pb(params: SamplingParams,
+                   speculative: bool | None = None) -> types_pb2.SamplingParams:
+    """Every field set (fully resolved); ``seed`` and ``speculative`` only when not None."""
+    msg = types_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        min_p=params.min_p, max_new_tokens=params.max_new_tokens,
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        msg.seed = params.seed
+    if speculative is not None:
+        msg.speculative = speculative
+    return msg
+
+
+def sampling_from_pb(msg: types_pb2.SamplingParams) -> SamplingParams:
+    """Set fields as given, unset ones at ``SamplingParams``' defaults.
+
+    Presence, not value, decides: an explicit ``temperature: 0`` stays 0 (greedy). Raises
+    ``ValueError`` for values ``SamplingParams`` rejects.
+    """
+    kwargs = {name: getattr(msg, name) for name in _SAMPLING_SCALARS if msg.HasField(name)}
+    if msg.stop_token_ids:
+        kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
+    return SamplingParams(**kwargs)
+
+
+def speculative_from_pb(msg: types_pb2.SamplingParams) -> bool | None:
+    """The request's speculative-decoding choice; None when it left it to the worker."""
+    return msg.speculative if msg.HasField("speculative") else None
+
+
+# layout and manifest
+def layout_to_pb(layout: LayoutDescriptor) -> decode_pb2.LayoutDescriptor:
+    return decode_pb2.LayoutDescriptor(
+        dtype=layout.dtype, page_size=layout.page_size,
+        full_attention_layers=list(layout.full_attention_layers),
+        gdn_layers=list(layout.gdn_layers), kv_heads=layout.kv_heads, head_dim=layout.head_dim,
+        conv_dim=layout.conv_dim, conv_window=layout.conv_window,
+        num_key_heads=layout.num_key_heads, num_value_heads=layout.num_value_heads,
+        key_head_dim=layout.key_head_dim, value_head_dim=layout.value_head_dim,
+        state_layout=layout.state_layout, ssm_dtype=layout.ssm_dtype)
+
+
+def layout_from_pb(msg: decode_pb2.LayoutDescriptor) -> LayoutDescriptor:
+    """No validation here: the receiver compares the result with its own layout."""
+    return LayoutDescriptor(
+        dtype=msg.dtype, page_size=msg.page_size,
+        full_attention_layers=tuple(msg.full_attention_layers), gdn_layers=tuple(msg.gdn_layers),
+        kv_heads=msg.kv_heads, head_dim=msg.head_dim, conv_dim=msg.conv_dim,
+        conv_window=msg.conv_window, num_key_heads=msg.num_key_heads,
+        num_value_heads=msg.num_value_heads, key_head_dim=msg.key_head_dim,
+        value_head_dim=msg.value_head_dim, state_layout=msg.state_layout,
+        ssm_dtype=msg.ssm_dtype)
+
+
+def manifest_to_bytes(manifest: dict[str, FieldSpec]) -> bytes:
+    """msgpack ``{field: {"dtype": str, "shape": [int], "nbytes": int}}``."""
+    return msgpack.packb({name: {"dtype": spec.dtype, "shape": list(spec.shape),
+                                 "nbytes": spec.nbytes} for name, spec in manifest.items()})
+
+
+def manifest_from_bytes(data: bytes) -> dict[str, FieldSpec]:
+    """Parse and check a manifest's structure; INVALID_ARGUMENT when it is malformed or a
+    declared ``nbytes`` disagrees with its dtype and shape."""
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+        if not isinstance(raw, dict):
+            raise TypeError("not a map")
+        manifest = {}
+        for name, entry in raw.items():
+            dtype, shape, nbytes = entry["dtype"], entry["shape"], entry["nbytes"]
+            if (not isinstance(name, str) or not isinstance(dtype, str)
+                    or not isinstance(shape, list) or not isinstance(nbytes, int)
+                    or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
+                raise TypeError(f"bad entry for {name!r}")
+            spec = FieldSpec(dtype, tuple(shape))
+            if spec.nbytes != nbytes:
+                raise ValueError(f"field {name!r}: nbytes {nbytes} but dtype {dtype} and shape "
+                                 f"{shape} make {spec.nbytes}")
+            manifest[name] = spec
+    except (ValueError, TypeError, KeyError, msgpack.exceptions.UnpackException) as err:
+        raise HandoffError("INVALID_ARGUMENT", f"malformed manifest: {err}") from None
+    return manifest
+
+
+# handoff messages
+def handoff_part_to_pb(part: HandoffPart) -> decode_pb2.HandoffMessage:
+    if isinstance(part, ChunkPart):
+        return decode_pb2.HandoffMessage(chunk=decode_pb2.TensorChunk(
+            field=part.field, layer=part.layer, offset=part.offset, data=part.data))
+    if isinstance(part, HeaderPart):
+        return decode_pb2.HandoffMessage(header=decode_pb2.HandoffHeader(
+            handoff_id=part.handoff_id, model_fingerprint=part.fingerprint,
+            layout=layout_to_pb(part.layout), prompt_len=part.prompt_len,
+            first_token=part.first_token, prompt_token_ids=list(part.prompt_ids),
+            sampling=sampling_to_pb(part.sampling, part.speculative),
+            manifest=manifest_to_bytes(part.manifest), request_id=part.request_id))
+    if isinstance(part, TrailerPart):
+        return decode_pb2.HandoffMessage(trailer=decode_pb2.HandoffTrailer(
+            crc32=dict(part.checksums)))
+    raise TypeError(f"not a handoff part: {type(part)!r}")
+
+
+def handoff_part_from_pb(msg: decode_pb2.HandoffMessage) -> HandoffPart:
+    """Raises INVALID_ARGUMENT for an empty message or a malformed header."""
+    kind = msg.WhichOneof("part")
+    if kind == "chunk":
+        c = msg.chunk
+        return ChunkPart(field=c.field, layer=c.layer, offset=c.offset, data=c.data)
+    if kind == "trailer":
+        return TrailerPart(checksums=dict(msg.trailer.crc32))
+    if kind != "header":
+        raise HandoffError("INVALID_ARGUMENT", "handoff message carries no part")
+    h = msg.header
+    if not h.HasField("layout") or not h.HasField("sampling"):
+        raise HandoffError("INVALID_ARGUMENT", "handoff header lacks its layout or sampling")
+    if h.prompt_len != len(h.prompt_token_ids):
+        raise HandoffError("INVALID_ARGUMENT", f"prompt_len {h.prompt_len} but "
+                           f"{len(h.prompt_token_ids)} prompt token ids")
+    try:
+        sampling = sampling_from_pb(h.sampling)
+    except ValueError as err:
+        raise HandoffError("INVALID_ARGUMENT", f"bad sampling settings: {err}") from None
+    return HeaderPart(
+        handoff_id=h.handoff_id, fingerprint=h.model_fingerprint, layout=layout_from_pb(h.layout),
+        prompt_ids=tuple(h.prompt_token_ids), first_token=h.first_token, sampling=sampling,
+        manifest=manifest_from_bytes(h.manifest), speculative=speculative_from_pb(h.sampling),
+        request_id=h.request_id)
+
+
+# load
+def load_report_to_pb(report: LoadReport) -> types_pb2.LoadReport:
+    return types_pb2.LoadReport(
+        kind=_KIND_TO_PB[report.kind], address=report.address,
+        model_fingerprint=report.model_fingerprint, free_pages=report.free_pages,
+        total_pages=report.total_pages, free_slots=report.free_slots,
+        total_slots=report.total_slots, queue_len=report.queue_len, running=report.running,
+        counters=dict(report.counters))
+
+
+def load_report_from_pb(msg: types_pb2.LoadReport) -> LoadReport:
+    """Raises ``ValueError`` for an unspecified worker kind or inconsistent counts."""
+    if msg.kind not in _KIND_FROM_PB:
+        raise ValueError(f"load report with unknown worker kind {msg.kind}")
+    return LoadReport(
+        kind=_KIND_FROM_PB[msg.kind], address=msg.address,
+        model_fingerprint=msg.model_fingerprint, free_pages=msg.free_pages,
+        total_pages=msg.total_pages, free_slots=msg.free_slots, total_slots=msg.total_slots,
+        queue_len=msg.queue_len, running=msg.running, counters=dict(msg.counters))

@@ -1,0 +1,56 @@
+"""The three kinds of handoff message as plain dataclasses (the wire form is in common/convert.py).
+
+A handoff is one ``HeaderPart``, then ``ChunkPart``s in any order, then one ``TrailerPart``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from common.handoff.layout import LayoutDescriptor
+from common.handoff.manifest import FieldSpec
+from common.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class HeaderPart:
+    """Everything but the tensor bytes: who, what model and layout, what fields follow."""
+
+    handoff_id: int
+    fingerprint: str
+    layout: LayoutDescriptor
+    prompt_ids: tuple[int, ...]
+    first_token: int
+    sampling: SamplingParams
+    manifest: dict[str, FieldSpec] = field(default_factory=dict)
+    speculative: bool | None = None
+    request_id: str = ""
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def payload_nbytes(self) -> int:
+        return sum(spec.nbytes for spec in self.manifest.values())
+
+
+@dataclass(frozen=True)
+class ChunkPart:
+    """Bytes ``[offset, offset + len(data))`` of index ``layer`` along dim 0 of ``field``."""
+
+    field: str
+    layer: int
+    offset: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class TrailerPart:
+    """CRC-32 (``zlib.crc32``) of each field's bytes, concatenated in (layer, offset) order."""
+
+    checksums: dict[str, int] = field(default_factory=dict)
+
+
+HandoffPart = Union[HeaderPart, ChunkPart, TrailerPart]

@@ -1,0 +1,281 @@
+"""A payload as a sequence of parts (sender), and the receiver's state machine that checks them.
+
+Sender: ``split_payload`` yields a header, chunks of at most ``chunk_bytes``, and a trailer of
+per-field CRC-32s. Receiver: ``HandoffAssembler`` validates each part as it arrives and writes chunk
+bytes straight into a ``Reservation``; every refusal is a ``HandoffError`` whose code is the gRPC
+status to answer with (docs/protocol.md), and every refusal releases the reservation exactly once.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from common.handoff.errors import HandoffError
+from common.handoff.layout import LayoutDescriptor
+from common.handoff.ledger import LayerLedger
+from common.handoff.manifest import KNOWN_FIELDS, validate_manifest
+from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, TrailerPart
+from common.handoff.payload import HandoffPayload
+from common.handoff.reservation import InMemoryReservation, Reservation
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # well under gRPC's 4 MiB default message limit
+_MAX_HANDOFF_ID = (1 << 64) - 1
+
+
+def _layer_bytes(tensor: torch.Tensor, layer: int) -> memoryview:
+    # reshape(-1) first: a view of a 0-dim layer cannot change element size.
+    flat = tensor[layer].detach().reshape(-1).view(torch.uint8)
+    return memoryview(flat.cpu().numpy())
+
+
+def split_payload(payload: HandoffPayload,
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[HandoffPart]:
+    """Yield ``payload`` as a ``HeaderPart``, ``ChunkPart``s (each <= ``chunk_bytes``, in field,
+    layer, offset order) and a ``TrailerPart``. Raises INVALID_ARGUMENT before yielding anything if
+    the payload does not fit its own layout."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    payload.validate()
+    yield HeaderPart(handoff_id=payload.handoff_id, fingerprint=payload.fingerprint,
+                     layout=payload.layout, prompt_ids=tuple(payload.prompt_ids),
+                     first_token=payload.first_token, sampling=payload.sampling,
+                     manifest=payload.manifest(), speculative=payload.speculative,
+                     request_id=payload.request_id)
+    checksums = {}
+    for name in sorted(payload.fields, key=KNOWN_FIELDS.index):
+        tensor = payload.fields[name]
+        crc = 0
+        for layer in range(tensor.shape[0]):
+            data = _layer_bytes(tensor, layer)  # one layer at a time bounds host staging memory
+            for offset in range(0, len(data), chunk_bytes):
+                piece = bytes(data[offset:offset + chunk_bytes])
+                crc = zlib.crc32(piece, crc)
+                yield ChunkPart(field=name, layer=layer, offset=offset, data=piece)
+        checksums[name] = crc
+    yield TrailerPart(checksums=checksums)
+
+
+class HandoffAssembler:
+    """Receiver state machine for one handoff: header -> chunks (any order) -> trailer.
+
+    Args:
+        expected_layout: the receiver's layout; the header's must equal it.
+        expected_fingerprint: the receiver's model fingerprint; the header's must equal it.
+        max_bytes: most payload bytes accepted (RESOURCE_EXHAUSTED above it).
+        reserve: called once the header is valid; returns where the bytes go, or raises
+            ``HandoffError`` (RESOURCE_EXHAUSTED when there is no room, ABORTED when the request
+            was cancelled). If it raises, it must itself free anything it took.
+
+    Use: ``on_part`` for every message, then ``on_end`` when the sender closes its stream, which
+    commits the reservation and hands it to the caller; ``abort`` in a ``finally`` (a no-op once
+    done). Until ``on_end`` returns, any error or ``abort`` releases the reservation exactly once.
+    Not thread-safe: one handler feeds one assembler.
+    """
+
+    def __init__(self, expected_layout: LayoutDescriptor, expected_fingerprint: str,
+                 max_bytes: int, reserve: Callable[[HeaderPart], Reservation]) -> None:
+        self._layout = expected_layout
+        self._fingerprint = expected_fingerprint
+        self._max_bytes = max_bytes
+        self._reserve = reserve
+        self._state = "header"  # -> "chunks" -> "verified" -> "done"; "closed" on any failure
+        self._header: HeaderPart | None = None
+        self._reservation: Reservation | None = None
+        self._ledgers: dict[tuple[str, int], LayerLedger] = {}
+        self._destinations: dict[tuple[str, int], torch.Tensor] = {}
+        self.bytes_received = 0
+
+    @property
+    def header(self) -> HeaderPart | None:
+        """The validated header, once one arrived."""
+        return self._header
+
+    @property
+    def is_done(self) -> bool:
+        return self._state == "done"
+
+    def on_part(self, part: HandoffPart) -> None:
+        """Dispatch one part to ``on_header``, ``on_chunk`` or ``on_trailer``."""
+        if isinstance(part, HeaderPart):
+            self.on_header(part)
+        elif isinstance(part, ChunkPart):
+            self.on_chunk(part)
+        elif isinstance(part, TrailerPart):
+            self.on_trailer(part)
+        else:
+            self._fail(HandoffError("INVALID_ARGUMENT", f"not a handoff part: {type(part)!r}"))
+
+    def on_header(self, header: HeaderPart) -> None:
+        """Validate the header, then reserve room for the payload it declares."""
+        self._expect("header", "a second header" if self._header else "a header")
+        try:
+            if not 0 < header.handoff_id <= _MAX_HANDOFF_ID:
+                raise HandoffError("INVALID_ARGUMENT",
+                                   f"handoff_id must be a non-zero uint64, got {header.handoff_id}")
+            if header.fingerprint != self._fingerprint:
+                raise HandoffError("FAILED_PRECONDITION",
+                                   f"model fingerprint {header.fingerprint!r} differs from ours "
+                                   f"{self._fingerprint!r}: the workers serve different models")
+            self._layout.check_compatible(header.layout)
+            validate_manifest(self._layout, header.prompt_len, header.manifest)
+            if header.payload_nbytes > self._max_bytes:
+                raise HandoffError("RESOURCE_EXHAUSTED", f"payload of {header.payload_nbytes} "
+                                   f"bytes exceeds the limit of {self._max_bytes}")
+            self._reservation = self._reserve(header)
+        except BaseException as err:
+            self._fail(err)
+        self._header = header
+        self._state = "chunks"
+
+    def on_chunk(self, chunk: ChunkPart) -> None:
+        """Check the chunk's address and write its bytes into the reservation."""
+        self._expect("chunks", "a chunk")
+        try:
+            self._write(chunk)
+        except BaseException as err:
+            self._fail(err)
+        self.bytes_received += len(chunk.data)
+
+    def on_trailer(self, trailer: TrailerPart) -> None:
+        """Check that every byte arrived and every field's checksum matches (else DATA_LOSS)."""
+        self._expect("chunks", "the trailer")
+        try:
+            manifest = self._header.manifest
+            if set(trailer.checksums) != set(manifest):
+                raise HandoffError("INVALID_ARGUMENT", f"trailer has checksums for "
+                                   f"{sorted(trailer.checksums)}, manifest declares "
+                                   f"{sorted(manifest)}")
+            for name, spec in manifest.items():
+                crc = 0
+                for layer in range(spec.num_layers):
+                    ledger = self._ledgers.get((name, layer), LayerLedger(spec.layer_nbytes))
+                    crc = ledger.fold(crc, f"field {name!r} layer {layer}")
+                if crc != trailer.checksums[name]:
+                    raise HandoffError("DATA_LOSS", f"field {name!r}: crc32 {crc:#010x} of the "
+                                       f"bytes received, trailer says "
+                                       f"{trailer.checksums[name]:#010x}")
+        except BaseException as err:
+            self._fail(err)
+        self._state = "verified"
+
+    def on_end(self) -> Reservation:
+        """The sender closed its stream: commit the verified reservation and hand it over.
+
+        DATA_LOSS (releasing) if the trailer never came; ABORTED if the handoff was closed.
+        """
+        if self._state == "done":
+            raise HandoffError("INVALID_ARGUMENT", "the handoff has already ended")
+        if self._state == "closed":
+            raise HandoffError("ABORTED", "handoff stream ended after the handoff was closed")
+        if self._state != "verified":
+            what = "before the trailer" if self._header else "without a header"
+            self._fail(HandoffError("DATA_LOSS" if self._header else "INVALID_ARGUMENT",
+                                    f"handoff stream ended {what}"))
+        try:
+            self._reservation.commit()
+        except BaseException as err:
+            self._fail(err)
+        reservation, self._reservation = self._reservation, None
+        self._state = "done"
+        return reservation
+
+    def abort(self) -> None:
+        """Give up (cancellation, peer error): release what is held. Idempotent; no-op when done."""
+        if self._state != "done":
+            self._state = "closed"
+            self._release()
+
+    # internals
+    def _expect(self, state: str, what: str) -> None:
+        if self._state == state:
+            return
+        if self._state == "closed":
+            raise HandoffError("ABORTED", f"{what} arrived after the handoff was closed")
+        if self._state == "done":  # the reservation is the caller's now: leave it alone
+            raise HandoffError("INVALID_ARGUMENT", f"{what} arrived after the handoff ended")
+        expecting = {"header": "the header", "chunks": "chunks or the trailer",
+                     "verified": "the end of the stream"}[self._state]
+        self._fail(HandoffError("INVALID_ARGUMENT",
+                                f"{what} arrived out of sequence (expecting {expecting})"))
+
+    def _fail(self, err: BaseException) -> None:
+        self._state = "closed"
+        self._release()
+        raise err
+
+    def _release(self) -> None:
+        reservation, self._reservation = self._reservation, None
+        if reservation is not None:
+            reservation.release()
+
+    def _write(self, chunk: ChunkPart) -> None:
+        spec = self._header.manifest.get(chunk.field)
+        where = f"chunk of field {chunk.field!r} layer {chunk.layer}"
+        if spec is None:
+            raise HandoffError("INVALID_ARGUMENT", f"{where}: field not declared in the manifest")
+        if not 0 <= chunk.layer < spec.num_layers:
+            raise HandoffError("INVALID_ARGUMENT", f"{where}: layer out of range "
+                               f"[0, {spec.num_layers})")
+        end = chunk.offset + len(chunk.data)
+        if not chunk.data or chunk.offset < 0 or end > spec.layer_nbytes:
+            raise HandoffError("INVALID_ARGUMENT", f"{where}: bytes [{chunk.offset}, {end}) are "
+                               f"empty or outside the layer's {spec.layer_nbytes} bytes")
+        key = (chunk.field, chunk.layer)
+        ledger = self._ledgers.setdefault(key, LayerLedger(spec.layer_nbytes))
+        ledger.add(chunk.offset, chunk.data, where)
+        dst = self._destinations.get(key)
+        if dst is None:
+            dst = self._destination(key, spec.layer_nbytes)
+        if dst.device.type == "cpu":
+            dst.numpy()[chunk.offset:end] = np.frombuffer(chunk.data, dtype=np.uint8)
+        else:
+            # bytearray: torch cannot wrap read-only bytes without a warning
+            src = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
+            dst[chunk.offset:end].copy_(src)
+
+    def _destination(self, key: tuple[str, int], nbytes: int) -> torch.Tensor:
+        tensor = self._reservation.destination(*key)
+        if not tensor.is_contiguous() or tensor.numel() * tensor.element_size() != nbytes:
+            # NOTE: a bug in the Reservation, not the sender's fault; surfaces as INTERNAL.
+            raise ValueError(f"reservation gave a destination for {key} that is not a contiguous "
+                             f"{nbytes}-byte tensor: shape {tuple(tensor.shape)} {tensor.dtype}")
+        flat = tensor.reshape(-1).view(torch.uint8)
+        self._destinations[key] = flat
+        return flat
+
+
+def assemble_payload(parts: Iterable[HandoffPart], *, max_bytes: int = 1 << 62,
+                     expected_layout: LayoutDescriptor | None = None,
+                     expected_fingerprint: str | None = None) -> HandoffPayload:
+    """Receive ``parts`` in memory and rebuild the payload (tests and same-process handoffs).
+
+    Without an expected layout or fingerprint, the header's own are trusted.
+    """
+    it = iter(parts)
+    first = next(it, None)
+    if not isinstance(first, HeaderPart):
+        raise HandoffError("INVALID_ARGUMENT", "a handoff must start with its header")
+    reservations: list[InMemoryReservation] = []
+
+    def reserve(header: HeaderPart) -> Reservation:
+        reservations.append(InMemoryReservation(header.manifest))
+        return reservations[-1]
+
+    assembler = HandoffAssembler(expected_layout or first.layout,
+                                 expected_fingerprint or first.fingerprint, max_bytes, reserve)
+    assembler.on_header(first)
+    try:
+        for part in it:
+            assembler.on_part(part)
+        assembler.on_end()
+    finally:
+        assembler.abort()
+    return HandoffPayload(handoff_id=first.handoff_id, fingerprint=first.fingerprint,
+                          layout=first.layout, prompt_ids=first.prompt_ids,
+                          first_token=first.first_token, sampling=first.sampling,
+                          fields=reservations[0].tensors, speculative=first.speculative,
+                          request_id=first.request_id)
