@@ -9,7 +9,7 @@ import sys
 from common.engine.llm_engine import LLMEngine
 from common.grpc_util import bind, make_server, serve_until_signal
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
-from common.model.load import load_model, weights_identity
+from common.model.load import eos_token_ids_for, load_model, weights_identity
 from common.pb.flashsplit.v1 import decode_pb2_grpc
 from common.worker_args import (add_worker_args, dtype_from_args, engine_config_from_args,
                                 setup_logging)
@@ -26,7 +26,8 @@ async def serve(args: argparse.Namespace) -> None:
     layout = LayoutDescriptor.from_model(model.config, config.cache.page_size, model.dtype)
     fingerprint = model_fingerprint(model.config, weights_identity(args.model))
     streams = TokenStreams(asyncio.get_running_loop())
-    engine = DecodeEngine(LLMEngine(model, config), streams.post)
+    eos = eos_token_ids_for(args.model, model.config)
+    engine = DecodeEngine(LLMEngine(model, config, eos_token_ids=eos), streams.post)
     engine.start()
     server, health = make_server()
     address = bind(server, args.host, args.port)

@@ -9,7 +9,7 @@ import sys
 from common.engine.llm_engine import LLMEngine
 from common.grpc_util import bind, make_server, serve_until_signal
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
-from common.model.load import load_model, weights_identity
+from common.model.load import eos_token_ids_for, load_model, weights_identity
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
 from common.worker_args import (add_worker_args, dtype_from_args, engine_config_from_args,
                                 setup_logging)
@@ -25,7 +25,8 @@ def build_engine(args: argparse.Namespace) -> PrefillEngine:
     config = engine_config_from_args(args, prefill=True)
     layout = LayoutDescriptor.from_model(model.config, config.cache.page_size, model.dtype)
     fingerprint = model_fingerprint(model.config, weights_identity(args.model))
-    return PrefillEngine(LLMEngine(model, config), layout, fingerprint)
+    eos = eos_token_ids_for(args.model, model.config)
+    return PrefillEngine(LLMEngine(model, config, eos_token_ids=eos), layout, fingerprint)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -34,7 +35,8 @@ async def serve(args: argparse.Namespace) -> None:
     sender = HandoffSender()
     server, health = make_server()
     address = bind(server, args.host, args.port)
-    servicer = PrefillServicer(engine, sender, address, engine.engine.model.config.vocab_size)
+    servicer = PrefillServicer(engine, sender, address, engine.engine.model.config.vocab_size,
+                               engine.engine.eos_token_ids)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
 
     async def on_stop() -> None:

@@ -14,6 +14,7 @@ import grpc
 
 from common import convert
 from common.load import LoadReport
+from common.sampling import stop_reason
 from common.pb.flashsplit.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
 from prefill_service.engine import PrefillAborted, PrefillEngine, PrefillJob
 from prefill_service.handoff_sender import HandoffSender
@@ -23,8 +24,9 @@ log = logging.getLogger(__name__)
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: PrefillEngine, sender: HandoffSender, address: str,
-                 vocab_size: int) -> None:
+                 vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.engine = engine
+        self.eos_token_ids = eos_token_ids
         self.sender = sender
         self.address = address
         self.vocab_size = vocab_size
@@ -48,6 +50,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             held = True
             prefilled = time.perf_counter()
+            finished = stop_reason(payload.first_token, 1, job.params, self.eos_token_ids)
+            if finished is not None:
+                # nothing left to decode: skip the handoff, the router ends the request here
+                return prefill_pb2.PrefillResponse(
+                    handoff_id=job.handoff_id, first_token=payload.first_token,
+                    prompt_len=payload.prompt_len,
+                    timings=prefill_pb2.PrefillTimings(prefill_s=prefilled - start),
+                    finish_reason=convert.finish_reason_to_pb(finished))
             try:
                 await self.sender.send(request.decode_address, payload)
             except grpc.aio.AioRpcError as exc:

@@ -44,3 +44,15 @@ def weights_identity(name_or_path: str) -> str:
         return f"builtin:{TINY_NAME}:{TINY_SEED}"
     files = sorted(Path(name_or_path).glob("*.safetensors"))
     return ";".join(f"{f.name}:{f.stat().st_size}" for f in files)
+
+
+def eos_token_ids_for(name_or_path: str, config: ModelConfig) -> tuple[int, ...]:
+    """End-of-sequence ids: the tokenizer's (tokenizer_config / generation_config) when the
+    checkpoint has one, else the model config's."""
+    from common.tokenizer import load_tokenizer
+
+    try:
+        ids = tuple(load_tokenizer(name_or_path).eos_token_ids)
+    except (ValueError, FileNotFoundError):
+        ids = ()
+    return ids or config.eos_token_ids
