@@ -1,4 +1,4 @@
-"""The ``flashsplit`` command: ``generate`` (in-process) and ``demo``."""
+"""The ``flashsplit`` command: ``generate`` (in process or through a router), ``up``, ``demo``."""
 
 from __future__ import annotations
 
@@ -42,17 +42,46 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the config's)")
 
 
+# Worker flags that `flashsplit up` passes through unchanged (--device is spread over workers).
+_WORKER_FLAGS = ("--dtype", "--page-size", "--num-pages", "--num-slots", "--max-prefill-tokens",
+                 "--max-running-requests")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashsplit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate from one prompt in this process")
+    gen = sub.add_parser("generate", help="generate from one prompt, in this process or "
+                                           "through a router (--router)")
     add_model_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", type=str)
     src.add_argument("--prompt-ids", type=str, help="comma-separated token ids")
     add_sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--router", metavar="ADDR", default=None,
+                     help="host:port of a flashsplit router; the router tokenizes, so --model, "
+                          "--device and --dtype are not used")
+    gen.add_argument("--timeout", type=float, default=600.0,
+                     help="seconds the whole call may take (with --router)")
+
+    up = sub.add_parser("up", help="start prefill and decode workers and a router on this host")
+    up.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (built in)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=0, help="the router's port; 0 = any free port")
+    up.add_argument("--prefill-workers", type=int, default=1)
+    up.add_argument("--decode-workers", type=int, default=1)
+    up.add_argument("--device", default=None,
+                    help="device of every worker, or a comma-separated list given to the "
+                         "workers in order, prefill first (e.g. cuda:0,cuda:1)")
+    for flag in _WORKER_FLAGS:
+        up.add_argument(flag, default=None, help="passed to every worker")
+    up.add_argument("--start-timeout", type=float, default=600.0,
+                    help="seconds each process may take to become ready")
+    up.add_argument("--quiet", action="store_true", help="do not echo the processes' logs")
+    # Modules that serve the workers; tests point them at fakes that speak the same protocol.
+    up.add_argument("--prefill-module", default="prefill_service", help=argparse.SUPPRESS)
+    up.add_argument("--decode-module", default="decode_service", help=argparse.SUPPRESS)
 
     demo = sub.add_parser("demo", help="generate a few prompts on the built-in model")
     add_model_args(demo)
@@ -83,6 +112,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from common.tokenizer import load_tokenizer
 
     params = sampling_from_args(args)
+    if args.router is not None:
+        return generate_remote(args, params)
     tokenizer = load_tokenizer(args.model)
     prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None \
         else tokenizer.encode(args.prompt)
@@ -95,6 +126,92 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
+
+
+def generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
+    """``generate --router``: stream one completion from a router (the router tokenizes)."""
+    import asyncio
+
+    import grpc
+
+    from router.remote import generate, request_to_pb
+
+    if args.prompt_ids is not None:
+        req = request_to_pb(token_ids=parse_ids(args.prompt_ids), params=params)
+    else:
+        req = request_to_pb(text=args.prompt, params=params)
+
+    def show(text: str) -> None:
+        print(text, end="", flush=True)
+
+    try:
+        out = asyncio.run(generate(args.router, req, timeout_s=args.timeout,
+                                   on_text=None if args.json else show))
+    except grpc.aio.AioRpcError as exc:
+        if not args.json:
+            print()
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"token_ids": out.token_ids, "text": out.text,
+                          "prompt_tokens": out.prompt_tokens, "finish_reason": out.finish_reason,
+                          "seconds": round(out.seconds, 6),
+                          "time_to_first_token_s": out.time_to_first_token_s,
+                          "inter_token_latencies_s": out.inter_token_latencies_s,
+                          "accept_lengths": out.accept_lengths}))
+    else:
+        print()
+    return 0
+
+
+def cluster_config_from_args(args: argparse.Namespace):
+    from router.cluster import ClusterConfig
+
+    worker_args: list[str] = []
+    for flag in _WORKER_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            worker_args += [flag, str(value)]
+    devices = tuple(d for d in (args.device or "").split(",") if d)
+    return ClusterConfig(model=args.model, host=args.host, router_port=args.port,
+                         num_prefill=args.prefill_workers, num_decode=args.decode_workers,
+                         worker_args=tuple(worker_args), devices=devices,
+                         start_timeout_s=args.start_timeout, echo_logs=not args.quiet,
+                         prefill_module=args.prefill_module, decode_module=args.decode_module)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Run a local cluster until SIGINT/SIGTERM; exit 1 if the router dies."""
+    import signal
+    import threading
+
+    from router.cluster import Cluster, ClusterError
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = Cluster(cluster_config_from_args(args))
+    try:
+        cluster.start()
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(f"router listening on {cluster.router_address}", flush=True)
+        reported: set[int] = set()
+        while not stop.wait(0.5):
+            if not cluster.router.alive():
+                print(f"error: the router exited with status {cluster.router.popen.returncode}",
+                      file=sys.stderr)
+                return 1
+            for w in cluster.workers:
+                if not w.alive() and w.pid not in reported:
+                    reported.add(w.pid)
+                    print(f"warning: {w.name} ({w.address}) exited with status "
+                          f"{w.popen.returncode}", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        cluster.stop()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -115,7 +232,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"generate": cmd_generate, "demo": cmd_demo}[args.command]
+    handler = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -1,0 +1,336 @@
+"""One request's path through the workers: choose a pair, run it, retry before the first token.
+
+An attempt opens ``Decode.Stream`` first (decode waits for the handoff, so no token can be missed)
+and calls ``Prefill.Prefill`` concurrently. Until the first token has reached the router, a
+failure is retried on another pair, with a new handoff id; after it, a failure ends the request
+with a status, because the client has already seen part of the output.
+
+Whatever way an attempt ends other than normal completion (failure, retry, client cancellation,
+deadline), its ``finally`` cancels both calls and sends a best-effort ``Abort`` to both workers, so
+neither keeps pages, slots or a queued prompt for a request nobody is waiting for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from common.handoff.payload import new_handoff_id
+from common.sampling import SamplingParams
+from router.client import (DecodeStream, PrefillCall, PrefillResult, TokenBatch,
+                           WorkerCallError, WorkerClients)
+from router.policy import choose_pair
+from router.registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+Code = grpc.StatusCode
+# Prefill statuses that mean the decode side refused or lost the handoff: try another decode
+# worker, but the prefill worker is fine.
+_DECODE_REFUSALS = {Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION, Code.DATA_LOSS}
+# Prefill statuses that are the request's own fault: retrying elsewhere would fail the same way.
+_CLIENT_FAULTS = {Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE}
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """Retry and timeout settings of the dispatcher."""
+
+    max_attempts: int = 3
+    # After prefill reports the handoff acknowledged, decode's first event should follow at once;
+    # a decode worker that stays silent this long is treated as failed (and the request retried).
+    first_token_timeout_s: float = 30.0
+    # How long the final message waits for the prefill answer (its timings) once decode is done.
+    prefill_result_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated request. arrival and deadline are readings of the dispatcher's clock."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    speculative: bool | None = None
+    arrival: float = 0.0
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens that reached the router together. ``arrival`` is a clock reading.
+
+    The last chunk of a request has finish_reason set and carries the prefill worker's answer
+    (for its timings) when it came in time.
+    """
+
+    token_ids: tuple[int, ...]
+    arrival: float
+    accept_lengths: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    prefill: PrefillResult | None = None
+
+
+class DispatchError(Exception):
+    """The request failed; ``code`` is the gRPC status the client gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class AttemptFailed(Exception):
+    """An attempt failed before its first token: the request may be retried on another pair.
+
+    blame: workers to mark down in the registry; exclude: workers this request must not use
+    again; full: decode workers that refused for lack of room.
+    """
+
+    def __init__(self, message: str, *, blame: tuple[str, ...] = (),
+                 exclude: tuple[str, ...] = (), full: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.blame = blame
+        self.exclude = tuple(dict.fromkeys(exclude + blame))
+        self.full = full
+
+
+def prefill_failure(err: WorkerCallError, prefill: str, decode: str) -> Exception:
+    """What a failed Prefill call means: a retryable AttemptFailed, or a final DispatchError."""
+    if err.code in _CLIENT_FAULTS:
+        return DispatchError(err.code, f"prefill worker {prefill} rejected the request: "
+                                       f"{err.details}")
+    if err.code in _DECODE_REFUSALS:
+        full = (decode,) if err.code == Code.RESOURCE_EXHAUSTED else ()
+        return AttemptFailed(f"decode worker {decode} refused the handoff "
+                             f"({err.code.name}: {err.details})", exclude=(decode,), full=full)
+    # UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL and the rest: the prefill worker (or its link to
+    # decode) failed. A dead decode worker shows first as a broken Stream, which is checked
+    # before this, so the prefill worker is the one blamed here.
+    return AttemptFailed(f"prefill worker {prefill} failed ({err.code.name}: {err.details})",
+                         blame=(prefill,))
+
+
+def stream_failure(err: WorkerCallError, decode: str) -> AttemptFailed:
+    """What a Decode.Stream that failed before its first token means."""
+    if err.code == Code.RESOURCE_EXHAUSTED:
+        return AttemptFailed(f"decode worker {decode} has no room ({err.details})",
+                             exclude=(decode,), full=(decode,))
+    return AttemptFailed(f"decode worker {decode} failed ({err.code.name}: {err.details})",
+                         blame=(decode,))
+
+
+class Dispatcher:
+    """Runs requests on (prefill, decode) pairs chosen from the registry."""
+
+    def __init__(self, registry: WorkerRegistry, clients: WorkerClients,
+                 config: DispatchConfig = DispatchConfig(),
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.registry = registry
+        self.clients = clients
+        self.config = config
+        self.clock = clock
+        self._turn = 0
+        self._background: set[asyncio.Task] = set()
+
+    def _remaining(self, job: Job) -> float | None:
+        return None if job.deadline is None else job.deadline - self.clock()
+
+    def _expired(self, job: Job) -> bool:
+        return job.deadline is not None and self.clock() >= job.deadline
+
+    async def run(self, job: Job) -> AsyncIterator[Chunk]:
+        """Yield the request's chunks; raise DispatchError when it cannot be completed.
+
+        Callers must close the generator (``contextlib.aclosing``) so that an abandoned request
+        reaches its attempt's cleanup even when it is dropped while suspended at a yield.
+        """
+        failures: list[str] = []
+        excluded: set[str] = set()
+        for attempt in range(1, self.config.max_attempts + 1):
+            if self._expired(job):
+                raise DispatchError(Code.DEADLINE_EXCEEDED, "deadline exceeded before the first "
+                                    "token; tried: " + "; ".join(failures))
+            self._turn += 1
+            pair = choose_pair(self.registry.views(), exclude=excluded, turn=self._turn)
+            if pair is None:
+                failures.append(self._no_pair_reason())
+                break
+            prefill, decode = pair[0].address, pair[1].address
+            try:
+                async for chunk in self._attempt(job, prefill, decode, attempt):
+                    yield chunk
+                return
+            except AttemptFailed as failed:
+                log.warning("[%s] attempt %d on %s -> %s failed: %s", job.request_id, attempt,
+                            prefill, decode, failed.message)
+                failures.append(failed.message)
+                excluded.update(failed.exclude)
+                for address in failed.blame:
+                    self.registry.mark_failed(address, failed.message)
+                for address in failed.full:
+                    self.registry.note_full(address)
+        raise DispatchError(Code.UNAVAILABLE, "no worker pair could serve the request: "
+                            + "; ".join(failures))
+
+    def _no_pair_reason(self) -> str:
+        down = [f"{w.kind} {w.address} ({w.last_error or 'not answered yet'})"
+                for w in self.registry.workers() if not w.healthy]
+        reason = "no healthy prefill/decode pair left"
+        return reason + (f"; down: {', '.join(down)}" if down else "")
+
+    async def _attempt(self, job: Job, prefill: str, decode: str,
+                       attempt: int) -> AsyncIterator[Chunk]:
+        handoff_id = new_handoff_id()
+        log.info("[%s] attempt %d: prefill %s, decode %s, handoff %016x", job.request_id,
+                 attempt, prefill, decode, handoff_id)
+        call = PrefillCall(handoff_id=handoff_id, prompt_ids=job.prompt_ids,
+                           sampling=job.sampling, decode_address=decode,
+                           request_id=job.request_id, speculative=job.speculative)
+        # NOTE: the stream is opened before the prefill starts, so the decode worker has a reader
+        # for the request by the time the handoff lands.
+        stream = self.clients.open_stream(decode, handoff_id, self._remaining(job))
+        prefill_task = asyncio.create_task(
+            self.clients.prefill(prefill, call, self._remaining(job)))
+        release = self.registry.assign(prefill, decode)
+        prefill_task.add_done_callback(lambda task: _settle(task, release))
+        completed = False
+        try:
+            first = await self._first_batch(job, stream, prefill_task, prefill, decode)
+            if isinstance(first, PrefillResult):
+                # The request ended at its first token; there is no handoff to stream.
+                completed = True
+                stream.cancel()
+                yield Chunk((first.first_token,), self.clock(), (), first.finish_reason, first)
+                return
+            async for chunk in self._follow(job, stream, prefill_task, decode, first):
+                yield chunk
+            completed = True
+        finally:
+            if not completed:
+                # Cancelled, failed or retried: free whatever either worker holds for it.
+                prefill_task.cancel()
+                stream.cancel()
+                self._abort_later(prefill, decode, handoff_id, job.request_id)
+
+    async def _first_batch(self, job: Job, stream: DecodeStream, prefill_task: asyncio.Task,
+                           prefill: str, decode: str) -> tuple[TokenBatch, float] | PrefillResult:
+        """Wait for the first tokens; raise AttemptFailed (retryable) or DispatchError."""
+        read = asyncio.ensure_future(stream.read())
+        try:
+            await asyncio.wait({read, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+            # A dead decode worker fails its Stream and makes the prefill fail too; the stream
+            # is checked first so that the decode worker, not the prefill worker, is blamed.
+            if not read.done():
+                exc = prefill_task.exception()
+                if exc is not None:
+                    raise self._deadline_or(job, exc, lambda: prefill_failure(exc, prefill, decode))
+                result = prefill_task.result()
+                if result.finish_reason is not None:
+                    return result
+                done, _ = await asyncio.wait({read}, timeout=self.config.first_token_timeout_s)
+                if not done:
+                    raise AttemptFailed(f"decode worker {decode} sent no token within "
+                                        f"{self.config.first_token_timeout_s} s of the handoff",
+                                        blame=(decode,))
+            exc = read.exception()
+            if exc is not None:
+                raise self._deadline_or(job, exc, lambda: stream_failure(exc, decode))
+            batch: TokenBatch | None = read.result()
+            if batch is None or not batch.token_ids:
+                why = "ended the stream" if batch is None else \
+                    f"finished with {batch.finish_reason} ({batch.error or 'no message'})"
+                # The worker answered, so it is not marked down; this request just moves on.
+                raise AttemptFailed(f"decode worker {decode} {why} before the first token",
+                                    exclude=(decode,))
+            return batch, self.clock()
+        finally:
+            read.cancel()
+
+    async def _follow(self, job: Job, stream: DecodeStream, prefill_task: asyncio.Task,
+                      decode: str, first: tuple[TokenBatch, float]) -> AsyncIterator[Chunk]:
+        """Yield the first batch and the rest of the stream; no retry is possible any more."""
+        batch, arrival = first
+        num_tokens = 0
+        while True:
+            num_tokens += len(batch.token_ids)
+            if batch.finish_reason == "error":
+                if batch.token_ids:
+                    yield Chunk(batch.token_ids, arrival, batch.accept_lengths)
+                raise DispatchError(Code.INTERNAL, f"decode worker {decode} failed after "
+                                    f"{num_tokens} tokens: {batch.error or 'no message'}")
+            if batch.finish_reason is not None:
+                prefill_result = await self._prefill_result(job, prefill_task)
+                yield Chunk(batch.token_ids, arrival, batch.accept_lengths, batch.finish_reason,
+                            prefill_result)
+                return
+            yield Chunk(batch.token_ids, arrival, batch.accept_lengths)
+            try:
+                next_batch = await stream.read()
+            except WorkerCallError as exc:
+                if exc.code == Code.DEADLINE_EXCEEDED and self._expired(job):
+                    raise DispatchError(Code.DEADLINE_EXCEEDED, f"deadline exceeded after "
+                                        f"{num_tokens} tokens") from None
+                self.registry.mark_failed(decode, str(exc))
+                raise DispatchError(Code.UNAVAILABLE, f"decode worker {decode} failed after "
+                                    f"{num_tokens} tokens: {exc.code.name}: {exc.details}") \
+                    from None
+            if next_batch is None:
+                raise DispatchError(Code.UNAVAILABLE, f"decode worker {decode} ended the stream "
+                                    f"after {num_tokens} tokens without a finish reason")
+            batch, arrival = next_batch, self.clock()
+
+    async def _prefill_result(self, job: Job, task: asyncio.Task) -> PrefillResult | None:
+        """The prefill answer (only its timings are still needed), if it comes in time."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(task),
+                                          self.config.prefill_result_grace_s)
+        except (asyncio.TimeoutError, WorkerCallError) as exc:
+            log.warning("[%s] no prefill timings: %s", job.request_id, exc)
+            return None
+
+    def _deadline_or(self, job: Job, exc: BaseException,
+                     otherwise: Callable[[], Exception]) -> Exception:
+        if isinstance(exc, WorkerCallError):
+            if exc.code == Code.DEADLINE_EXCEEDED and self._expired(job):
+                return DispatchError(Code.DEADLINE_EXCEEDED,
+                                     "deadline exceeded before the first token")
+            return otherwise()
+        return exc  # not a worker status: a bug, surfaced as it is
+
+    def _abort_later(self, prefill: str, decode: str, handoff_id: int, request_id: str) -> None:
+        """Fire-and-forget Abort to both workers (bounded by the client's abort timeout)."""
+        async def abort_both() -> None:
+            results = await asyncio.gather(
+                self.clients.abort(prefill, "prefill", handoff_id, "cancelled by the router"),
+                self.clients.abort(decode, "decode", handoff_id, "cancelled by the router"),
+                return_exceptions=True)
+            for address, r in zip((prefill, decode), results, strict=True):
+                if isinstance(r, BaseException):
+                    log.info("[%s] abort on %s failed: %s", request_id, address, r)
+
+        task = asyncio.create_task(abort_both())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout: float = 2.0) -> None:
+        """Give outstanding aborts a moment to go out (at shutdown)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
+
+
+def _settle(task: asyncio.Task, release: Callable[[], None]) -> None:
+    """Uncount the assignment; mark the outcome retrieved (a retried attempt may never read it)."""
+    release()
+    if not task.cancelled():
+        task.exception()

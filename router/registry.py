@@ -1,0 +1,231 @@
+"""The live worker table: who is up, what each last reported, and when to try a down one again.
+
+A background task asks every worker for its load (``GetLoad``) every ``poll_interval_s``. An
+answer marks the worker healthy and stores the report; a failure (or the dispatcher's
+``mark_failed``) marks it down, and a down worker is asked again only after an exponential backoff,
+so a dead address costs one short timeout per backoff period instead of one per poll.
+
+The registry holds no gRPC code: it is given a ``fetch_load(address, kind)`` coroutine (the
+client's, or a fake in tests) and a clock, so backoff can be tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from common.load import WORKER_KINDS, LoadReport
+from router.policy import WorkerView
+
+log = logging.getLogger(__name__)
+
+FetchLoad = Callable[[str, str], Awaitable[LoadReport]]
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """How often workers are polled and how a down worker is retried."""
+
+    poll_interval_s: float = 0.5
+    # NOTE: the fetch_load coroutine applies the per-call deadline; this bounds it again so a
+    # misbehaving fetcher cannot stall the whole poll round.
+    poll_timeout_s: float = 1.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    backoff_multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.poll_interval_s <= 0 or self.poll_timeout_s <= 0:
+            raise ValueError("poll_interval_s and poll_timeout_s must be > 0")
+        if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+        if self.backoff_multiplier < 1:
+            raise ValueError("backoff_multiplier must be >= 1")
+
+
+def backoff_delay(config: RegistryConfig, consecutive_failures: int) -> float:
+    """Seconds to wait before asking a worker again after its n-th consecutive failure."""
+    n = max(consecutive_failures, 1)
+    delay = config.backoff_initial_s * config.backoff_multiplier ** (n - 1)
+    return min(config.backoff_max_s, delay)
+
+
+@dataclass
+class WorkerState:
+    """One row of the table. Mutated only on the event loop, so no lock is needed.
+
+    healthy starts False: a worker takes requests only after it has answered once.
+    in_flight is the router's own count of assignments the load report cannot show yet.
+    """
+
+    address: str
+    kind: str
+    healthy: bool = False
+    load: LoadReport | None = None
+    consecutive_failures: int = 0
+    next_retry_at: float = 0.0
+    failed_at: float | None = None
+    last_error: str = ""
+    in_flight: int = 0
+
+    def view(self) -> WorkerView:
+        load = self.load
+        return WorkerView(
+            address=self.address, kind=self.kind, healthy=self.healthy,
+            fingerprint=load.model_fingerprint if load else "",
+            queue_len=load.queue_len if load else 0,
+            free_slots=load.free_slots if load else 0,
+            free_pages=load.free_pages if load else 0,
+            in_flight=self.in_flight)
+
+
+class WorkerRegistry:
+    """The prefill and decode workers the router knows, keyed by address."""
+
+    def __init__(self, workers: Iterable[tuple[str, str]], fetch_load: FetchLoad,
+                 config: RegistryConfig = RegistryConfig(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._fetch_load = fetch_load
+        self._clock = clock
+        self._workers: dict[str, WorkerState] = {}
+        for address, kind in workers:
+            if kind not in WORKER_KINDS:
+                raise ValueError(f"worker kind must be one of {WORKER_KINDS}, got {kind!r}")
+            if address in self._workers:
+                raise ValueError(f"worker address {address} is listed twice")
+            self._workers[address] = WorkerState(address=address, kind=kind)
+        self._task: asyncio.Task | None = None
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def workers(self) -> list[WorkerState]:
+        """All rows, prefill first, then decode, each in address order."""
+        order = {k: i for i, k in enumerate(WORKER_KINDS)}
+        return sorted(self._workers.values(), key=lambda w: (order[w.kind], w.address))
+
+    def get(self, address: str) -> WorkerState:
+        return self._workers[address]
+
+    def views(self) -> list[WorkerView]:
+        return [w.view() for w in self.workers()]
+
+    def fingerprint(self) -> str:
+        """The model fingerprint some healthy worker reports, or "" when none has."""
+        for w in self.workers():
+            if w.healthy and w.load and w.load.model_fingerprint:
+                return w.load.model_fingerprint
+        return ""
+
+    # -- updates ------------------------------------------------------------------------------
+
+    def record_success(self, address: str, report: LoadReport,
+                       asked_at: float | None = None) -> None:
+        """Store a report; ``asked_at`` is when it was asked for (default: now)."""
+        w = self._workers[address]
+        if w.failed_at is not None and asked_at is not None and asked_at <= w.failed_at:
+            # NOTE: the question went out before the failure was recorded (a poll overlapping
+            # mark_failed): the answer says nothing about the worker since, so it cannot
+            # bring the worker back early.
+            return
+        if report.kind != w.kind:
+            self.record_failure(address, f"reports itself as a {report.kind} worker, "
+                                         f"configured as {w.kind}")
+            return
+        if not w.healthy:
+            log.info("%s worker %s is up", w.kind, address)
+        w.healthy = True
+        w.load = report
+        w.consecutive_failures = 0
+        w.last_error = ""
+
+    def record_failure(self, address: str, error: str) -> None:
+        w = self._workers[address]
+        w.consecutive_failures += 1
+        w.last_error = error
+        w.failed_at = self._clock()
+        delay = backoff_delay(self.config, w.consecutive_failures)
+        w.next_retry_at = self._clock() + delay
+        if w.healthy:
+            log.warning("%s worker %s is down: %s", w.kind, address, error)
+        w.healthy = False
+        log.debug("%s worker %s: failure %d, next try in %.2f s", w.kind, address,
+                  w.consecutive_failures, delay)
+
+    def mark_failed(self, address: str, error: str) -> None:
+        """Take a worker out of rotation after a failed call; the poller brings it back."""
+        self.record_failure(address, error)
+
+    def note_full(self, address: str) -> None:
+        """A decode worker refused a handoff for lack of room: treat it as full until it reports.
+
+        It is not down, so it is not backed off; it just stops winning choices on a stale report.
+        """
+        w = self._workers[address]
+        if w.load is not None:
+            w.load = dataclasses.replace(w.load, free_slots=0, free_pages=0)
+
+    def assign(self, *addresses: str) -> Callable[[], None]:
+        """Count a request against these workers' in_flight; call the result once to uncount it.
+
+        The dispatcher releases when the prefill call returns: by then the prefill worker's queue
+        and the decode worker's pools (the handoff was admitted or refused) show the request.
+        """
+        for a in addresses:
+            self._workers[a].in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                for a in addresses:
+                    self._workers[a].in_flight -= 1
+        return release
+
+    # -- polling ------------------------------------------------------------------------------
+
+    def due(self) -> list[WorkerState]:
+        """Workers to ask now: every healthy one, and down ones whose backoff has expired."""
+        now = self._clock()
+        return [w for w in self.workers() if w.healthy or now >= w.next_retry_at]
+
+    async def poll_once(self) -> None:
+        """Ask every due worker for its load, concurrently, and record the outcomes."""
+        await asyncio.gather(*(self._poll(w) for w in self.due()))
+
+    async def _poll(self, w: WorkerState) -> None:
+        asked_at = self._clock()
+        try:
+            report = await asyncio.wait_for(self._fetch_load(w.address, w.kind),
+                                            self.config.poll_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except asyncio.TimeoutError:
+            self.record_failure(w.address, f"no load report within {self.config.poll_timeout_s} s")
+        except Exception as exc:  # any failure to answer means down; the reason is kept
+            self.record_failure(w.address, str(exc) or type(exc).__name__)
+        else:
+            self.record_success(w.address, report, asked_at)
+
+    async def _run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.config.poll_interval_s)
+
+    async def start(self) -> None:
+        """Poll once (so workers that are already up take requests at once), then keep polling."""
+        await self.poll_once()
+        self._task = asyncio.create_task(self._run(), name="worker-registry-poll")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

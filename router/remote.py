@@ -1,0 +1,76 @@
+"""A client of the public Generation service (used by ``flashsplit generate --router``).
+
+Streams a completion and collects it into a ``Completion``; ``on_text`` sees each text delta as
+it arrives, so a terminal can print the output while it is generated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.convert import finish_reason_from_pb, sampling_to_pb
+from common.pb.flashsplit.v1 import generation_pb2, generation_pb2_grpc
+from common.sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    """A whole completion as the client received it (timings as measured by the router)."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+    inter_token_latencies_s: list[float] = field(default_factory=list)
+    total_s: float = 0.0
+    seconds: float = 0.0  # wall time of the call at the client
+
+
+def request_to_pb(*, text: str | None = None, token_ids: Sequence[int] | None = None,
+                  params: SamplingParams | None = None, speculative: bool | None = None,
+                  request_id: str = "") -> generation_pb2.GenerateRequest:
+    req = generation_pb2.GenerateRequest(request_id=request_id)
+    if (text is None) == (token_ids is None):
+        raise ValueError("give exactly one of text and token_ids")
+    if text is not None:
+        req.text = text
+    else:
+        req.token_ids.ids.extend(token_ids)
+    if params is not None:
+        req.sampling.CopyFrom(sampling_to_pb(params, speculative))
+    elif speculative is not None:
+        req.sampling.speculative = speculative
+    return req
+
+
+async def generate(address: str, request: generation_pb2.GenerateRequest, *,
+                   timeout_s: float = 600.0,
+                   on_text: Callable[[str], None] | None = None) -> Completion:
+    """Run one streaming Generate call; raises grpc.aio.AioRpcError when the router fails it."""
+    out = Completion()
+    start = time.perf_counter()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        async for msg in stub.Generate(request, timeout=timeout_s):
+            out.request_id = msg.request_id
+            out.text += msg.text
+            out.token_ids.extend(msg.token_ids)
+            out.accept_lengths.extend(msg.accept_lengths)
+            if msg.text and on_text is not None:
+                on_text(msg.text)
+            reason = finish_reason_from_pb(msg.finish_reason)
+            if reason:
+                out.finish_reason = reason
+                out.prompt_tokens = msg.usage.prompt_tokens
+                out.time_to_first_token_s = msg.timings.time_to_first_token_s
+                out.inter_token_latencies_s = list(msg.timings.inter_token_latencies_s)
+                out.total_s = msg.timings.total_s
+    out.seconds = time.perf_counter() - start
+    return out

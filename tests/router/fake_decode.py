@@ -1,0 +1,6 @@
+"""``python -m tests.router.fake_decode``: see fake_worker.py."""
+
+from tests.router.fake_worker import main
+
+if __name__ == "__main__":
+    main("decode")

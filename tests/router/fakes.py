@@ -1,0 +1,172 @@
+"""Fake prefill and decode workers that speak the real wire protocol, with failure knobs.
+
+The fake prefill "computes" the first token of a canned reply and pushes a header-only handoff
+to the decode address it is given, over the real ``Decode.Handoff`` RPC; the fake decode streams
+the rest of the reply once that handoff arrived. So the router under test sees the same ordering
+and the same failure shapes as with real workers, without a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.grpc_util import SERVER_OPTIONS
+from common.pb.flashsplit.v1 import (decode_pb2, decode_pb2_grpc, prefill_pb2,
+                                     prefill_pb2_grpc, types_pb2)
+
+# Byte-tokenizer ids of a reply with multi-byte characters, so text deltas must not split them.
+REPLY_TEXT = "Héllo, wörld ✓ — fake decode!"
+REPLY_IDS = tuple(REPLY_TEXT.encode("utf-8"))
+FINGERPRINT = "fake-model-fingerprint"
+
+
+@dataclass
+class PrefillKnobs:
+    fail_with: grpc.StatusCode | None = None   # answer every Prefill with this status
+    delay_s: float = 0.0                        # before the handoff is pushed
+    queue_len: int = 0
+
+
+@dataclass
+class DecodeKnobs:
+    refuse_with: grpc.StatusCode | None = None  # refuse every handoff with this status
+    break_after: int | None = None              # abort the stream (UNAVAILABLE) after k tokens
+    tokens_per_event: int = 1
+    event_delay_s: float = 0.0
+    free_slots: int = 8
+    free_pages: int = 64
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, address: str = "") -> None:
+        self.address = address
+        self.knobs = PrefillKnobs()
+        self.calls: list[prefill_pb2.PrefillRequest] = []
+        self.aborts: list[int] = []
+
+    async def Prefill(self, request, context):
+        self.calls.append(request)
+        if self.knobs.fail_with is not None:
+            await context.abort(self.knobs.fail_with, f"fake prefill {self.address} failing")
+        await asyncio.sleep(self.knobs.delay_s)
+        first = REPLY_IDS[0]
+        timings = prefill_pb2.PrefillTimings(queue_s=0.001, prefill_s=0.002, handoff_s=0.003)
+        if request.sampling.max_new_tokens == 1:
+            return prefill_pb2.PrefillResponse(
+                handoff_id=request.handoff_id, first_token=first,
+                prompt_len=len(request.prompt_token_ids), timings=timings,
+                finish_reason=types_pb2.FINISH_REASON_LENGTH)
+        header = decode_pb2.HandoffHeader(
+            handoff_id=request.handoff_id, model_fingerprint=FINGERPRINT,
+            prompt_len=len(request.prompt_token_ids), first_token=first,
+            prompt_token_ids=request.prompt_token_ids, sampling=request.sampling,
+            request_id=request.request_id)
+        messages = [decode_pb2.HandoffMessage(header=header),
+                    decode_pb2.HandoffMessage(trailer=decode_pb2.HandoffTrailer())]
+        async with grpc.aio.insecure_channel(request.decode_address) as ch:
+            try:
+                await decode_pb2_grpc.DecodeStub(ch).Handoff(iter(messages), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                # The decode worker's refusal is passed through with its own status.
+                await context.abort(exc.code(), f"handoff to {request.decode_address}: "
+                                                f"{exc.details()}")
+        return prefill_pb2.PrefillResponse(handoff_id=request.handoff_id, first_token=first,
+                                           prompt_len=len(request.prompt_token_ids),
+                                           timings=timings)
+
+    async def Abort(self, request, context):
+        self.aborts.append(request.handoff_id)
+        return types_pb2.AbortResponse(found=False)
+
+    async def GetLoad(self, request, context):
+        return types_pb2.LoadReport(kind=types_pb2.WORKER_KIND_PREFILL, address=self.address,
+                                    model_fingerprint=FINGERPRINT,
+                                    queue_len=self.knobs.queue_len)
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, address: str = "") -> None:
+        self.address = address
+        self.knobs = DecodeKnobs()
+        self.handoffs: dict[int, decode_pb2.HandoffHeader] = {}
+        self._arrived: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
+        self.streams: list[int] = []
+        self.cancelled_streams: list[int] = []
+        self.aborts: list[int] = []
+
+    async def Handoff(self, request_iterator, context):
+        header = None
+        async for msg in request_iterator:
+            if msg.HasField("header"):
+                header = msg.header
+                if self.knobs.refuse_with is not None:
+                    await context.abort(self.knobs.refuse_with, "fake decode: no room")
+        self.handoffs[header.handoff_id] = header
+        self._arrived[header.handoff_id].set()
+        return decode_pb2.HandoffAck(handoff_id=header.handoff_id)
+
+    async def Stream(self, request, context):
+        hid = request.handoff_id
+        self.streams.append(hid)
+        try:
+            await self._arrived[hid].wait()
+            header = self.handoffs[hid]
+            limit = header.sampling.max_new_tokens
+            out = [header.first_token, *REPLY_IDS[1:]][:limit]
+            finish = (types_pb2.FINISH_REASON_LENGTH if len(out) == limit
+                      else types_pb2.FINISH_REASON_STOP)
+            k, sent = self.knobs.tokens_per_event, 0
+            while sent < len(out):
+                if self.knobs.break_after is not None and sent >= self.knobs.break_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode crashed")
+                if sent and self.knobs.event_delay_s:
+                    await asyncio.sleep(self.knobs.event_delay_s)
+                step = out[sent:sent + (1 if sent == 0 else k)]
+                sent += len(step)
+                yield decode_pb2.TokenEvent(
+                    token_ids=step, accept_lengths=[len(step)],
+                    finish_reason=finish if sent == len(out) else 0)
+        except asyncio.CancelledError:
+            self.cancelled_streams.append(hid)
+            raise
+
+    async def Abort(self, request, context):
+        self.aborts.append(request.handoff_id)
+        return types_pb2.AbortResponse(found=request.handoff_id in self.handoffs)
+
+    async def GetLoad(self, request, context):
+        return types_pb2.LoadReport(kind=types_pb2.WORKER_KIND_DECODE, address=self.address,
+                                    model_fingerprint=FINGERPRINT,
+                                    free_slots=self.knobs.free_slots, total_slots=16,
+                                    free_pages=self.knobs.free_pages, total_pages=128)
+
+
+@dataclass
+class FakeWorker:
+    kind: str
+    server: grpc.aio.Server
+    servicer: FakePrefill | FakeDecode
+    address: str = field(default="")
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+
+
+async def start_fake(kind: str, host: str = "127.0.0.1", port: int = 0) -> FakeWorker:
+    """A fake worker serving on host:port (0 = any free port)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)  # the real workers' options (keepalive)
+    servicer: FakePrefill | FakeDecode
+    if kind == "prefill":
+        servicer = FakePrefill()
+        prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+    else:
+        servicer = FakeDecode()
+        decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    servicer.address = f"{host}:{bound}"
+    return FakeWorker(kind, server, servicer, servicer.address)

@@ -1,0 +1,131 @@
+import asyncio
+
+import pytest
+
+from common.load import LoadReport
+from router.registry import RegistryConfig, WorkerRegistry, backoff_delay
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(answers, **cfg):
+    """A registry over one prefill 'p' and one decode 'd'; answers[address] is a report or error."""
+    calls = []
+
+    async def fetch(address, kind):
+        calls.append(address)
+        a = answers[address]
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    clock = FakeClock()
+    config = RegistryConfig(backoff_initial_s=1.0, backoff_max_s=5.0, backoff_multiplier=2.0,
+                            **cfg)
+    reg = WorkerRegistry([("p", "prefill"), ("d", "decode")], fetch, config, clock)
+    return reg, clock, calls
+
+
+def test_backoff_grows_and_caps():
+    c = RegistryConfig(backoff_initial_s=1.0, backoff_max_s=5.0, backoff_multiplier=2.0)
+    assert [backoff_delay(c, n) for n in (1, 2, 3, 4, 5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def test_poll_marks_up_and_stores_report():
+    answers = {"p": LoadReport("prefill", queue_len=3), "d": LoadReport("decode", free_slots=2,
+                                                                        total_slots=4)}
+    reg, _, _ = make(answers)
+    assert not reg.get("p").healthy  # nothing is trusted before it answered
+    asyncio.run(reg.poll_once())
+    assert reg.get("p").healthy and reg.get("p").load.queue_len == 3
+    assert reg.get("d").view().free_slots == 2
+
+
+def test_down_worker_retried_with_backoff_and_comes_back():
+    answers = {"p": ConnectionError("refused"), "d": LoadReport("decode")}
+    reg, clock, calls = make(answers)
+    asyncio.run(reg.poll_once())
+    w = reg.get("p")
+    assert not w.healthy and w.consecutive_failures == 1 and w.last_error == "refused"
+    assert w.next_retry_at == 101.0
+
+    calls.clear()
+    clock.now = 100.5
+    asyncio.run(reg.poll_once())  # backoff not over: only the healthy decode is asked
+    assert calls == ["d"]
+
+    clock.now = 101.0
+    asyncio.run(reg.poll_once())  # second failure doubles the wait
+    assert w.consecutive_failures == 2 and w.next_retry_at == 103.0
+
+    answers["p"] = LoadReport("prefill")
+    clock.now = 102.9
+    asyncio.run(reg.poll_once())
+    assert not w.healthy
+    clock.now = 103.0
+    asyncio.run(reg.poll_once())
+    assert w.healthy and w.consecutive_failures == 0 and w.last_error == ""
+
+
+def test_mark_failed_takes_worker_out_until_it_answers_again():
+    answers = {"p": LoadReport("prefill"), "d": LoadReport("decode")}
+    reg, clock, _ = make(answers)
+    asyncio.run(reg.poll_once())
+    reg.mark_failed("d", "stream broke")
+    assert not reg.get("d").healthy and reg.get("d").last_error == "stream broke"
+    assert [v.address for v in reg.views() if v.healthy] == ["p"]
+    clock.now += 1.0
+    asyncio.run(reg.poll_once())
+    assert reg.get("d").healthy
+
+
+def test_slow_worker_times_out():
+    async def never(address, kind):
+        await asyncio.sleep(10)
+
+    reg = WorkerRegistry([("p", "prefill")], never, RegistryConfig(poll_timeout_s=0.05))
+    asyncio.run(reg.poll_once())
+    assert not reg.get("p").healthy and "no load report" in reg.get("p").last_error
+
+
+def test_wrong_kind_is_a_failure():
+    reg, _, _ = make({"p": LoadReport("decode"), "d": LoadReport("decode")})
+    asyncio.run(reg.poll_once())
+    assert not reg.get("p").healthy and "decode" in reg.get("p").last_error
+
+
+def test_in_flight_and_note_full():
+    answers = {"p": LoadReport("prefill"), "d": LoadReport("decode", free_slots=3, total_slots=4,
+                                                           free_pages=9, total_pages=9)}
+    reg, _, _ = make(answers)
+    asyncio.run(reg.poll_once())
+    release = reg.assign("p", "d")
+    assert reg.get("p").in_flight == 1 and reg.get("d").view().in_flight == 1
+    release()
+    release()  # idempotent
+    assert reg.get("p").in_flight == 0
+    reg.note_full("d")
+    assert reg.get("d").healthy and reg.get("d").view().free_slots == 0
+
+
+def test_bad_worker_list():
+    with pytest.raises(ValueError):
+        WorkerRegistry([("a", "prefill"), ("a", "decode")], None)
+    with pytest.raises(ValueError):
+        WorkerRegistry([("a", "router")], None)
+
+
+def test_answer_to_a_poll_sent_before_a_failure_does_not_revive_the_worker():
+    reg, clock, _ = make({"p": LoadReport("prefill"), "d": LoadReport("decode")})
+    asyncio.run(reg.poll_once())
+    asked_at = clock.now
+    clock.now += 0.1
+    reg.mark_failed("d", "stream broke")
+    reg.record_success("d", LoadReport("decode"), asked_at)  # the overlapping poll's answer
+    assert not reg.get("d").healthy
