@@ -255,13 +255,42 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
 
-def load_tokenizer(model_path_or_name: str) -> Tokenizer:
-    """"tiny" -> the built-in ByteTokenizer; a directory with tokenizer.json -> HFTokenizer."""
+class TokenIdsOnly(Tokenizer):
+    """For a checkpoint that ships no tokenizer: requests must bring token ids, and outputs carry
+    token ids with empty text. ``encode`` says so instead of guessing a vocabulary."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @property
+    def vocab_size(self) -> int:
+        return 0
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        raise ValueError(f"model {self.path!r} has no tokenizer.json: send token ids, not text")
+
+    def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def load_tokenizer(model_path_or_name: str, *, allow_missing: bool = False) -> Tokenizer:
+    """"tiny" -> the built-in ByteTokenizer; a directory with tokenizer.json -> HFTokenizer; a
+    checkpoint directory without one -> :class:`TokenIdsOnly` if ``allow_missing``."""
     if model_path_or_name == "tiny":
         return ByteTokenizer()
     path = Path(model_path_or_name)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return HFTokenizer(path)
+    if path.is_dir() and allow_missing:
+        return TokenIdsOnly(model_path_or_name)
     if path.is_dir():
         raise ValueError(f"{model_path_or_name!r} is a directory without a tokenizer.json")
     raise ValueError(

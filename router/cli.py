@@ -215,19 +215,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from common.tokenizer import load_tokenizer
+    from router.demo import run_demo
 
-    tokenizer = load_tokenizer(args.model)
-    texts = ["Hello, flashsplit!", "The quick brown fox", "Gated DeltaNet keeps a state of"]
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
-    reqs, seconds, tokenizer = run_local(args, [tokenizer.encode(t) for t in texts], params)
-    for text, req in zip(texts, reqs):
-        print(f"prompt: {text!r}\n  -> {tokenizer.decode(req.output_ids)!r} "
-              f"({len(req.output_ids)} tokens, {req.finish_reason})")
-    total = sum(len(r.output_ids) for r in reqs)
-    print(f"{len(reqs)} requests, {total} tokens in {seconds:.3f} s "
-          f"({total / seconds:.1f} tokens/s, in process on {args.device})")
-    return 0
+    return run_demo(model=args.model, max_new_tokens=args.max_new_tokens, device=args.device)
 
 
 def main(argv: list[str] | None = None) -> int:

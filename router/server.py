@@ -168,7 +168,7 @@ class Router:
     def __init__(self, config: RouterConfig, *, tokenizer: Tokenizer | None = None,
                  model: ServedModel | None = None) -> None:
         self.config = config
-        self.tokenizer = tokenizer or load_tokenizer(config.model)
+        self.tokenizer = tokenizer or load_tokenizer(config.model, allow_missing=True)
         self.model = model or load_served_model(config.model, self.tokenizer)
         self.clients = WorkerClients(config.clients)
         workers = [(a, "prefill") for a in config.prefill] + [(a, "decode") for a in config.decode]
