@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from common import convert
-from common.grpc_util import CHANNEL_OPTIONS
+from common.grpc_util import CHANNEL_OPTIONS, send_stream
 from common.handoff.payload import HandoffPayload
 from common.handoff.stream import split_payload
 from common.pb.flashsplit.v1 import decode_pb2_grpc
@@ -28,11 +28,9 @@ class HandoffSender:
 
     async def send(self, address: str, payload: HandoffPayload):
         """Stream the payload; returns decode's ack or raises ``grpc.aio.AioRpcError``."""
-        def messages():
-            for part in split_payload(payload, chunk_bytes=self.chunk_bytes):
-                yield convert.handoff_part_to_pb(part)
-
-        return await self._stub(address).Handoff(messages(), timeout=self.timeout_s)
+        messages = (convert.handoff_part_to_pb(part)
+                    for part in split_payload(payload, chunk_bytes=self.chunk_bytes))
+        return await send_stream(self._stub(address).Handoff(timeout=self.timeout_s), messages)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -11,6 +11,7 @@ import torch
 
 from common import convert
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+from common.grpc_util import send_stream
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
 from common.handoff.parts import ChunkPart, HeaderPart, TrailerPart
 from common.handoff.payload import HandoffPayload
@@ -77,7 +78,8 @@ class DecodeHarness:
             fields=fields)
 
     async def send(self, parts) -> None:
-        await self.stub.Handoff(iter([convert.handoff_part_to_pb(p) for p in parts]), timeout=10)
+        await send_stream(self.stub.Handoff(timeout=10),
+                          [convert.handoff_part_to_pb(p) for p in parts])
 
 
 def run(coro):
