@@ -8,11 +8,14 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: venv demo test test-gpu proto clean
 
-$(BIN)/.installed: pyproject.toml
+# dflash (z-lab's reference DFLASH draft) is a test oracle: only its model code is used, and its
+# pinned requirements (datasets, exact transformers/tqdm/requests versions) would override ours.
+$(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN)
 	$(BIN)/python -m pip install -q -e '.[test,dev]'
+	$(BIN)/python -m pip install -q --no-deps dflash==0.1.0
 	touch $@
 
 venv: $(BIN)/.installed

@@ -1,7 +1,9 @@
 """The built-in model ``tiny``: a small Qwen3.5-architecture model that needs no download.
 
 Its weights are drawn from a fixed seed, so every machine builds the same model bit for bit; it
-pairs with the byte-level tokenizer (vocabulary 260 = 256 bytes + 4 special tokens).
+pairs with the byte-level tokenizer (vocabulary 260 = 256 bytes + 4 special tokens). ``tiny``
+also names a built-in DFLASH draft for it (``TINY_DRAFT_CONFIG``, ``common.model.dflash``); its
+random weights make it propose poorly, which exercises rejection as much as acceptance.
 """
 
 from __future__ import annotations
@@ -60,4 +62,45 @@ def fill_deterministic(named_params, seed: int = TINY_SEED) -> None:
         else:
             fan_in = p.shape[-1] if p.dim() > 1 else 1
             value = torch.randn(p.shape, generator=gen) / math.sqrt(fan_in)
+        p.copy_(value.to(p.dtype))
+
+
+TINY_DRAFT_SEED = 20261130
+
+# z-lab draft config.json format; target_layer_ids pick 2 of tiny's 4 layers, mask id is the byte
+# tokenizer's <|mask|>.
+TINY_DRAFT_CONFIG = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "num_target_layers": 4,
+    "block_size": 8,
+    "dflash_config": {"target_layer_ids": [1, 2], "mask_token_id": 257},
+    "dtype": "float32",
+}
+
+
+@torch.no_grad()
+def fill_draft_deterministic(named_params, seed: int = TINY_DRAFT_SEED) -> None:
+    """Fill draft parameters from a seeded generator, in name order.
+
+    The draft's norms are plain ``x̂ · w``, so their weights are drawn around 1, not 0.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(named_params, key=lambda kv: kv[0]):
+        if name.endswith("norm.weight"):
+            value = 1.0 + torch.randn(p.shape, generator=gen) * 0.1
+        elif name.endswith(".bias"):
+            value = torch.randn(p.shape, generator=gen) * 0.02
+        else:
+            value = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
         p.copy_(value.to(p.dtype))

@@ -3,6 +3,11 @@
 The model reads cached context (KV pages, GDN state slots) through the indices here and writes
 the new tokens' KV and the updated GDN state back, so a batch can mix fresh prompts, continued
 prompts (chunked prefill) and decode steps without the model knowing which is which.
+
+VERIFY (speculative verification) uses the EXTEND indices but leaves the committed GDN state
+alone: the GDN layers record their per-token inputs in the state pool's verify buffers, and
+``HybridForCausalLM.commit_verified`` later folds any accepted prefix into the state
+(docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import torch
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # any number of new tokens per request, optionally continuing cached state
     DECODE = "decode"  # exactly one new token per request
+    # k new tokens per request, computed like EXTEND (KV of all k is written), but the GDN
+    # state slots are only read: any prefix of the k tokens can be committed afterwards
+    VERIFY = "verify"
 
 
 @dataclass
@@ -23,7 +31,7 @@ class ForwardBatch:
     """Indices of one forward. Build with :meth:`build`; tensors live on the model's device.
 
     Attributes:
-        mode: EXTEND or DECODE.
+        mode: EXTEND, DECODE or VERIFY.
         input_ids: [T] new tokens of all requests, request after request.
         positions: [T] absolute position of each new token.
         prefix_lens: per request, tokens already in the KV cache / folded into the GDN state.
@@ -31,7 +39,8 @@ class ForwardBatch:
         page_table: [N, max_pages] int32 page ids covering positions 0..prefix+extend-1.
         out_cache_loc: [T] int64 flat KV slot (page * page_size + offset) of each new token.
         state_slots: [N] int64 GDN state slot of each request.
-        logits_positions: [M] int64 indices into the T tokens whose logits are returned.
+        logits_positions: [M] int64 indices into the T tokens whose logits are returned
+            (every token for VERIFY).
     """
 
     mode: ForwardMode
@@ -84,6 +93,7 @@ class ForwardBatch:
             page_ids: per request, the pages holding positions 0..prefix+len(new)-1, in order.
             state_slots: per request, its GDN state slot.
             return_all_logits: logits for every new token, else only each request's last.
+                VERIFY always returns logits for every token: acceptance needs them all.
         """
         n = len(token_ids)
         if not (len(prefix_lens) == len(page_ids) == len(state_slots) == n) or n == 0:
@@ -108,7 +118,8 @@ class ForwardBatch:
         max_pages = max(len(pages) for pages in page_ids)
         # NOTE: rows are padded with page 0, the scratch page, never a live request's page.
         table = [pages + [0] * (max_pages - len(pages)) for pages in page_ids]
-        logits_positions = list(range(len(flat_ids))) if return_all_logits else last
+        every = return_all_logits or mode == ForwardMode.VERIFY
+        logits_positions = list(range(len(flat_ids))) if every else last
         as_long = dict(dtype=torch.int64, device=device)
         return cls(
             mode=mode,

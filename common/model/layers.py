@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.cache.kv_pool import KVPool
-from common.cache.state_pool import GDNStatePool
+from common.cache.state_pool import GDNStatePool, VerifyBuffers
 from common.config import ModelConfig
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.kernels import Kernels
@@ -33,6 +33,7 @@ class ForwardContext:
     state_pool: GDNStatePool | None
     kernels: Kernels
     inv_freq: torch.Tensor
+    verify: VerifyBuffers | None = None  # where a VERIFY forward records its GDN inputs
 
 
 class RMSNorm(nn.Module):
@@ -105,17 +106,47 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv = self.in_proj_qkv(x)  # [T, conv_dim], channels q|k|v
         z = self.in_proj_z(x).view(num_tokens, self.num_v_heads, self.head_v_dim)
         b, a = self.in_proj_b(x), self.in_proj_a(x)
+        verify = batch.mode == ForwardMode.VERIFY
+        if verify:
+            # the state stays as committed; these inputs let commit_verified replay a prefix
+            ctx.verify.store(layer, qkv=mixed_qkv, a=a, b=b)
 
+        o, new_conv, final_state = self._mix(
+            kn, mixed_qkv, a, b, cu_seqlens=batch.cu_seqlens,
+            conv_state=pool.conv[layer, slots], ssm_state=pool.ssm[layer, slots],
+            single_step=batch.mode == ForwardMode.DECODE)
+        if not verify:
+            pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
+            pool.ssm[layer, slots] = final_state.to(pool.ssm.dtype)
+
+        o = kn.gated_rms_norm(x=o.reshape(-1, self.head_v_dim).to(x.dtype),
+                              gate=z.reshape(-1, self.head_v_dim), weight=self.norm.weight,
+                              eps=self.norm.eps)
+        return self.out_proj(o.reshape(num_tokens, self.value_dim))
+
+    def _mix(self, kn: Kernels, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+             cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+             single_step: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv, gates and delta rule from the given states; nothing is written.
+
+        Args:
+            mixed_qkv: [T, conv_dim] pre-conv rows. a, b: [T, HV] gate projections.
+            conv_state: [N, conv_dim, W-1]. ssm_state: [N, HV, V, K] (pool layout).
+            single_step: one token per request (the decode kernels).
+
+        Returns:
+            o [T, HV, V], the new conv state [N, conv_dim, W-1] and the new ssm state
+            [N, HV, V, K] (pool layout).
+        """
+        num_tokens = mixed_qkv.shape[0]
         weight = self.conv1d.weight.squeeze(1)
-        conv_state = pool.conv[layer, slots]  # [N, conv_dim, W-1]
-        if batch.mode == ForwardMode.DECODE:
+        if single_step:
             mixed_qkv, new_conv = kn.conv1d_update(x=mixed_qkv, conv_state=conv_state,
                                                    weight=weight, activation="silu")
         else:
             mixed_qkv, new_conv = kn.conv1d_prefill(
-                x=mixed_qkv, weight=weight, cu_seqlens=batch.cu_seqlens,
+                x=mixed_qkv, weight=weight, cu_seqlens=cu_seqlens,
                 initial_state=conv_state, activation="silu")
-        pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
 
         q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
@@ -124,16 +155,34 @@ class GatedDeltaNet(nn.Module):
         g, beta = kn.gdn_gating(A_log=self.A_log, a=a, dt_bias=self.dt_bias, b=b)
 
         # pool layout [HV, V, K] -> the ops' K-major [HV, K, V]
-        state = pool.ssm[layer, slots].transpose(-1, -2)
-        rule = kn.gdn_recurrent if batch.mode == ForwardMode.DECODE else kn.gdn_chunk
-        o, final_state = rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=batch.cu_seqlens,
-                              initial_state=state, use_qk_l2norm=True)
-        pool.ssm[layer, slots] = final_state.transpose(-1, -2).to(pool.ssm.dtype)
+        rule = kn.gdn_recurrent if single_step else kn.gdn_chunk
+        o, final_state = rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
+                              initial_state=ssm_state.transpose(-1, -2), use_qk_l2norm=True)
+        return o, new_conv, final_state.transpose(-1, -2)
 
-        o = kn.gated_rms_norm(x=o.reshape(-1, self.head_v_dim).to(x.dtype),
-                              gate=z.reshape(-1, self.head_v_dim), weight=self.norm.weight,
-                              eps=self.norm.eps)
-        return self.out_proj(o.reshape(num_tokens, self.value_dim))
+    def commit_verified(self, *, kernels: Kernels, pool: GDNStatePool, slots: torch.Tensor,
+                        index: torch.Tensor, accepted_lens: list[int]) -> None:
+        """Fold the first ``accepted_lens[r]`` verified tokens of each request into its slot.
+
+        Replays conv and delta rule from the committed state over the recorded inputs, with the
+        same kernels EXTEND uses, so the slot ends up as if EXTEND had run on exactly those tokens.
+
+        Args:
+            slots: [N] state slots of the verified requests.
+            index: [sum(accepted_lens)] verify-buffer rows of the accepted tokens, request order.
+            accepted_lens: N tokens to keep per request.
+        """
+        layer = pool.layer_index(self.layer_id)
+        buffers = pool.verify
+        cu = torch.zeros(len(accepted_lens) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(torch.tensor(accepted_lens, dtype=torch.int64), 0)
+        # NOTE: the output o is computed and dropped; a fused commit kernel would skip it.
+        _, new_conv, final_state = self._mix(
+            kernels, buffers.qkv[layer, index], buffers.a[layer, index], buffers.b[layer, index],
+            cu_seqlens=cu, conv_state=pool.conv[layer, slots], ssm_state=pool.ssm[layer, slots],
+            single_step=False)
+        pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
+        pool.ssm[layer, slots] = final_state.to(pool.ssm.dtype)
 
 
 class GatedAttention(nn.Module):
@@ -163,6 +212,8 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim), kn)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = kn.rope(q=q, k=k, positions=batch.positions, inv_freq=ctx.inv_freq)
+        # VERIFY writes all k tokens too: KV past a request's committed length is never read
+        # (queries see positions < prefix + extend only) and the next forward overwrites it.
         ctx.kv_pool.write(self.layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = ctx.kv_pool.layer_cache(self.layer_id)
         o = kn.paged_attention(q=q, k_cache=k_cache, v_cache=v_cache,

@@ -17,7 +17,7 @@ from torch import nn
 from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
 from common.config import FULL_ATTENTION, ModelConfig
-from common.model.forward_batch import ForwardBatch
+from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.kernels import Kernels
 from common.ops.rope.reference import rope_inv_freq
 from common.model.layers import (DenseMLP, ForwardContext, GatedAttention, GatedDeltaNet,
@@ -26,9 +26,9 @@ from common.model.layers import (DenseMLP, ForwardContext, GatedAttention, Gated
 
 @dataclass
 class ModelOutput:
-    """Logits ``[M, V]`` (fp32) at the batch's ``logits_positions``; when DFLASH capture is on,
-    ``aux_hidden_states`` ``[T, len(layers) * H]``: the captured layers' outputs for every new
-    token, concatenated in the order the layers were given."""
+    """Logits ``[M, V]`` (fp32) at the batch's ``logits_positions`` (all T tokens for VERIFY);
+    when DFLASH capture is on, ``aux_hidden_states`` ``[T, len(layers) * H]``: the captured
+    layers' outputs for every new token, concatenated in the order the layers were given."""
 
     logits: torch.Tensor
     aux_hidden_states: torch.Tensor | None = None
@@ -95,6 +95,20 @@ class HybridModel(nn.Module):
                if self.capture_layer_ids else None)
         return x, aux
 
+    def commit_verified(self, batch: ForwardBatch, accepted_lens: list[int], *,
+                        state_pool: GDNStatePool, kernels: Kernels) -> None:
+        """Replay each GDN layer's accepted verify inputs into the slots (see the wrapper)."""
+        buffers = state_pool.verify
+        if buffers is None:
+            raise ValueError("commit without a pending VERIFY forward (no verify buffers)")
+        index = buffers.accepted_index(batch, accepted_lens)
+        for layer in self.layers:
+            if not layer.is_full_attention:
+                layer.linear_attn.commit_verified(
+                    kernels=kernels, pool=state_pool, slots=batch.state_slots, index=index,
+                    accepted_lens=accepted_lens)
+        buffers.finish()
+
 
 class HybridForCausalLM(nn.Module):
     """Wrapper: owns ``lm_head`` and turns the body's hidden states into logits."""
@@ -144,11 +158,27 @@ class HybridForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, kv_pool: KVPool | None,
                 state_pool: GDNStatePool | None) -> ModelOutput:
+        verify = None
+        if batch.mode == ForwardMode.VERIFY and state_pool is not None:
+            verify = state_pool.begin_verify(batch)
         ctx = ForwardContext(batch=batch, kv_pool=kv_pool, state_pool=state_pool,
-                             kernels=self.kernels, inv_freq=self.inv_freq)
+                             kernels=self.kernels, inv_freq=self.inv_freq, verify=verify)
         hidden, aux = self.model(ctx)
         logits = self.compute_logits(hidden[batch.logits_positions])
         return ModelOutput(logits=logits, aux_hidden_states=aux)
+
+    @torch.inference_mode()
+    def commit_verified(self, batch: ForwardBatch, accepted_lens, *,
+                        state_pool: GDNStatePool) -> None:
+        """Make each request's GDN slot hold the state after its first ``accepted_lens[r]``
+        tokens of the latest VERIFY forward (``batch`` must be that forward's batch).
+
+        ``accepted_lens``: N ints (list or tensor), each in ``1..extend_lens[r]``. Full-attention
+        KV needs nothing: the tokens past the new length are simply never read again.
+        """
+        accepted = [int(j) for j in (accepted_lens.tolist() if torch.is_tensor(accepted_lens)
+                                     else accepted_lens)]
+        self.model.commit_verified(batch, accepted, state_pool=state_pool, kernels=self.kernels)
 
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
