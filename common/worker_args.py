@@ -23,6 +23,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=2048,
                    help="token budget of one prefill step (the chunk size of long prompts)")
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--draft", default=None,
+                   help="DFLASH draft: 'tiny' (pairs with the built-in model) or a z-lab format "
+                        "checkpoint directory; on by default for every request when given")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per DFLASH step (default: the draft's own block_size)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -36,6 +41,23 @@ def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> Engin
         device=args.device,
         hold_after_prefill=prefill,
     )
+
+
+def build_engine(args: argparse.Namespace, *, prefill: bool):
+    """Model, optional draft and engine for a worker, with the handoff layout and model
+    fingerprint both sides must agree on; returns ``(engine, layout, fingerprint)``."""
+    from common.engine.llm_engine import LLMEngine
+    from common.handoff.layout import LayoutDescriptor, model_fingerprint
+    from common.model.dflash import load_draft
+    from common.model.load import eos_token_ids_for, load_model, weights_identity
+
+    model = load_model(args.model, dtype=dtype_from_args(args), device=args.device)
+    draft = load_draft(args.draft, model) if args.draft else None
+    config = engine_config_from_args(args, prefill=prefill)
+    engine = LLMEngine(model, config, eos_token_ids_for(args.model, model.config), draft=draft,
+                       block_size=args.block_size)
+    layout = LayoutDescriptor.from_model(model.config, config.cache.page_size, model.dtype)
+    return engine, layout, model_fingerprint(model.config, weights_identity(args.model))
 
 
 def dtype_from_args(args: argparse.Namespace) -> torch.dtype | None:

@@ -73,7 +73,9 @@ class DecodeEngine(EngineLoop):
     def reserve(self, header: HeaderPart) -> PoolReservation:
         """Hold room for a handoff (thread-safe) or raise RESOURCE_EXHAUSTED."""
         e = self.engine
-        total = header.prompt_len + header.sampling.max_new_tokens
+        self._check_draft_context(header)
+        total = (header.prompt_len + header.sampling.max_new_tokens
+                 + e.scheduler.config.lookahead_tokens)
         pages = e.kv_pool.pages_for(total)
         if pages > e.kv_pool.allocator.num_usable:
             raise HandoffError("RESOURCE_EXHAUSTED",
@@ -89,6 +91,22 @@ class DecodeEngine(EngineLoop):
             e.kv_pool.allocator.free(page_ids)
             raise HandoffError("RESOURCE_EXHAUSTED", str(exc)) from None
         return PoolReservation(e, header, page_ids, slot)
+
+    def _check_draft_context(self, header: HeaderPart) -> None:
+        """A draft context must fit this worker's draft exactly (the same draft on both sides)."""
+        spec = header.manifest.get("dflash_context")
+        speculator = self.engine.speculator
+        if spec is None or speculator is None:
+            return  # no context, or no draft here: the request decodes without speculation
+        pool = speculator.draft_pool.kv
+        expected = (pool.shape[0], 2, self.engine.kv_pool.pages_for(header.prompt_len),
+                    *pool.shape[3:])
+        if tuple(spec.shape) != expected or spec.dtype != str(pool.dtype).removeprefix("torch."):
+            raise HandoffError(
+                "FAILED_PRECONDITION",
+                f"dflash_context is {spec.dtype}{list(spec.shape)}, this worker's draft needs "
+                f"{str(pool.dtype).removeprefix('torch.')}{list(expected)}: the prefill worker "
+                "runs a different draft")
 
     def admit(self, reservation: PoolReservation) -> Future:
         return self.call(self._admit, reservation)
@@ -107,11 +125,15 @@ class DecodeEngine(EngineLoop):
             res.owned = False  # from here the request owns its pages and slot
         h = res.header
         e = self.engine
-        scatter_prompt_state(e.kv_pool, e.state_pool, res.page_ids, res.slot, res.staging)
+        spec = e.speculator
+        speculative = (spec is not None and "dflash_context" in res.staging
+                       and h.speculative is not False)
+        scatter_prompt_state(e.kv_pool, e.state_pool, res.page_ids, res.slot, res.staging,
+                             spec.draft_pool if speculative else None)
         res.staging = {}
         self.counters["admitted"] += 1
         event = e.admit_prefilled(str(h.handoff_id), list(h.prompt_ids), h.first_token,
-                                  h.sampling, res.page_ids, res.slot)
+                                  h.sampling, res.page_ids, res.slot, speculative=speculative)
         self._emit(event)
 
     def _abort(self, handoff_id: int) -> bool:

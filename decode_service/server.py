@@ -89,7 +89,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 finished = last is not None
                 yield decode_pb2.TokenEvent(
                     token_ids=tokens, finish_reason=convert.finish_reason_to_pb(last),
-                    accept_lengths=[1] * len(tokens),
+                    accept_lengths=[e.accept_length for e in events
+                                    if e.accept_length is not None],
                     error="decode engine failed" if last == "error" else "")
         finally:
             self.streams.close(handoff_id)

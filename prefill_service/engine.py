@@ -63,7 +63,8 @@ class PrefillEngine(EngineLoop):
     # --- engine thread ---
     def _add(self, job: PrefillJob, result: Future) -> None:
         key = str(job.handoff_id)
-        self.engine.add_request(list(job.prompt_ids), job.params, request_id=key)
+        self.engine.add_request(list(job.prompt_ids), job.params, request_id=key,
+                                speculative=job.speculative)
         self._jobs[key] = (job, result)
 
     def _abort(self, key: str) -> bool:
@@ -85,8 +86,10 @@ class PrefillEngine(EngineLoop):
         for event in self.engine.step():
             job, result = self._jobs.pop(event.request_id)
             req = self.engine.requests[event.request_id]
-            fields = gather_prompt_state(self.engine.kv_pool, self.engine.state_pool,
-                                         req.page_ids, req.slot, len(req.prompt_ids))
+            spec = self.engine.speculator
+            fields = gather_prompt_state(
+                self.engine.kv_pool, self.engine.state_pool, req.page_ids, req.slot,
+                len(req.prompt_ids), spec.draft_pool if req.speculative else None)
             self.counters["prefilled"] += 1
             self.counters["prompt_tokens"] += len(req.prompt_ids)
             result.set_result(HandoffPayload(

@@ -44,7 +44,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 # Worker flags that `flashsplit up` passes through unchanged (--device is spread over workers).
 _WORKER_FLAGS = ("--dtype", "--page-size", "--num-pages", "--num-slots", "--max-prefill-tokens",
-                 "--max-running-requests")
+                 "--max-running-requests", "--draft", "--block-size")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "--device and --dtype are not used")
     gen.add_argument("--timeout", type=float, default=600.0,
                      help="seconds the whole call may take (with --router)")
+    gen.add_argument("--draft", default=None,
+                     help="DFLASH draft for in-process generation: 'tiny' or a checkpoint dir")
+    gen.add_argument("--block-size", type=int, default=None,
+                     help="tokens per DFLASH step (default: the draft's)")
+    gen.add_argument("--speculative", choices=("auto", "on", "off"), default="auto",
+                     help="speculative decoding for this request (auto: when a draft is there)")
 
     up = sub.add_parser("up", help="start prefill and decode workers and a router on this host")
     up.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (built in)")
@@ -89,23 +95,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def speculative_choice(args: argparse.Namespace) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[args.speculative]
+
+
 def run_local(args: argparse.Namespace, prompts: list[list[int]],
-              params: SamplingParams) -> tuple[list, float, object]:
-    """Load the model, run ``prompts`` to completion; return requests, seconds, tokenizer."""
+              params: SamplingParams) -> tuple[list, float]:
+    """Load the model (and draft), run ``prompts`` to completion; return requests, seconds."""
     import torch
 
     from common.engine.llm_engine import EngineConfig, LLMEngine
-    from common.model.load import load_model
-    from common.tokenizer import load_tokenizer
+    from common.model.dflash import load_draft
+    from common.model.load import eos_token_ids_for, load_model
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = load_model(args.model, dtype=dtype, device=args.device)
-    tokenizer = load_tokenizer(args.model)
+    draft = load_draft(args.draft, model) if args.draft else None
+    if speculative_choice(args) and draft is None:
+        raise ValueError("--speculative on needs --draft")
     engine = LLMEngine(model, EngineConfig(device=args.device),
-                       eos_token_ids=tokenizer.eos_token_ids)
+                       eos_token_ids_for(args.model, model.config), draft=draft,
+                       block_size=args.block_size)
     start = time.perf_counter()
-    reqs = engine.generate(prompts, params)
-    return reqs, time.perf_counter() - start, tokenizer
+    reqs = engine.generate(prompts, params, speculative=speculative_choice(args))
+    return reqs, time.perf_counter() - start
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -114,15 +127,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     if args.router is not None:
         return generate_remote(args, params)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model, allow_missing=True)
     prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None \
         else tokenizer.encode(args.prompt)
-    (req,), seconds, tokenizer = run_local(args, [prompt], params)
+    (req,), seconds = run_local(args, [prompt], params)
     text = tokenizer.decode(req.output_ids)
     if args.json:
         print(json.dumps({"token_ids": req.output_ids, "text": text,
                           "prompt_tokens": len(prompt), "finish_reason": req.finish_reason,
-                          "seconds": round(seconds, 6)}))
+                          "seconds": round(seconds, 6), "accept_lengths": req.accept_lengths}))
     else:
         print(text)
     return 0
@@ -136,10 +149,12 @@ def generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
 
     from router.remote import generate, request_to_pb
 
+    speculative = speculative_choice(args)
     if args.prompt_ids is not None:
-        req = request_to_pb(token_ids=parse_ids(args.prompt_ids), params=params)
+        req = request_to_pb(token_ids=parse_ids(args.prompt_ids), params=params,
+                            speculative=speculative)
     else:
-        req = request_to_pb(text=args.prompt, params=params)
+        req = request_to_pb(text=args.prompt, params=params, speculative=speculative)
 
     def show(text: str) -> None:
         print(text, end="", flush=True)

@@ -148,8 +148,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             model_name=m.name, model_type=m.model_type,
             model_fingerprint=self.registry.fingerprint(), vocab_size=m.vocab_size,
             max_context_len=m.max_context_len, eos_token_ids=list(m.eos_token_ids),
-            # NOTE: load reports do not say whether a draft model is loaded yet.
-            speculative_available=False, dtype=m.dtype)
+            # a decode worker with a draft reports DFLASH counters in its load
+            speculative_available=any(
+                w.kind == "decode" and w.healthy and w.load is not None
+                and "spec_steps" in w.load.counters for w in self.registry.workers()),
+            dtype=m.dtype)
 
     async def ListWorkers(self, request, context):
         workers = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -11,7 +11,10 @@ from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request
-from common.engine.scheduler import Scheduler, SchedulerConfig
+from common.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from common.engine.speculative import DFlashSpeculator
+from common.model.dflash import DFlashDraftModel
+from common.model.forward_batch import ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM
 from common.sampling import Sampler, SamplingParams, make_generator, stop_reason
 
@@ -38,12 +41,15 @@ class TokenEvent:
     """A token a request produced in one step; ``finish_reason`` is set on its last token.
 
     ``held`` marks the first token of a request kept for handoff (``hold_after_prefill``).
+    A speculative step yields several events for one request, in order.
     """
 
     request_id: str
     token_id: int
     finish_reason: str | None
     held: bool = False
+    # on the first token of a speculative step: the tokens that step committed (accepted + 1)
+    accept_length: int | None = None
 
 
 def step_seed(seed: int, position: int) -> int:
@@ -69,19 +75,32 @@ class LLMEngine:
     """Continuous batching over a model and its pools. Not thread-safe: one caller at a time."""
 
     def __init__(self, model: HybridForCausalLM, config: EngineConfig,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), *, draft: DFlashDraftModel | None = None,
+                 block_size: int | None = None) -> None:
         self.model = model
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids) or model.config.eos_token_ids
         self.kv_pool, self.state_pool = make_pools(model, config.cache, config.device)
-        self.scheduler = Scheduler(config.scheduler, self.kv_pool, self.state_pool)
+        self.speculator = None if draft is None else DFlashSpeculator(
+            model, draft, self.kv_pool, self.state_pool, block_size=block_size,
+            max_requests=0 if config.hold_after_prefill
+            else config.scheduler.max_running_requests)
+        # a verify block writes block_size positions past the cache: reserve room for them
+        lookahead = self.speculator.block_size if self.speculator else 0
+        self.scheduler = Scheduler(replace(config.scheduler, lookahead_tokens=lookahead),
+                                   self.kv_pool, self.state_pool)
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
+    def wants_speculation(self, speculative: bool | None) -> bool:
+        """A request speculates when this engine has a draft, unless it asked not to."""
+        return self.speculator is not None and speculative is not False
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, *,
+                    speculative: bool | None = None) -> Request:
         if not prompt_ids:
             raise ValueError("prompt is empty")
         vocab = self.model.config.vocab_size
@@ -92,20 +111,26 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_ids), params,
-                      generator=make_generator(params.seed, self.config.device))
+                      generator=make_generator(params.seed, self.config.device),
+                      speculative=self.wants_speculation(speculative))
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
 
     def admit_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int,
-                        params: SamplingParams, page_ids: list[int], slot: int) -> TokenEvent:
+                        params: SamplingParams, page_ids: list[int], slot: int, *,
+                        speculative: bool = False) -> TokenEvent:
         """Continue a request whose prompt state is already in ``page_ids`` / ``slot`` (a
-        handoff) and whose first token was sampled elsewhere. Returns that token's event."""
+        handoff) and whose first token was sampled elsewhere. Returns that token's event.
+        ``speculative`` only when the draft context of the prompt is in the draft pool too."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if speculative and self.speculator is None:
+            raise ValueError("a speculative request needs an engine with a draft")
         req = Request(request_id, list(prompt_ids), params,
                       generator=make_generator(params.seed, self.config.device),
-                      num_cached=len(prompt_ids), page_ids=list(page_ids), slot=slot)
+                      num_cached=len(prompt_ids), page_ids=list(page_ids), slot=slot,
+                      speculative=speculative)
         self.requests[request_id] = req
         self.scheduler.admit_prefilled(req)
         return self._append(req, first_token)
@@ -127,11 +152,28 @@ class LLMEngine:
         return self.scheduler.num_requests > 0
 
     def step(self) -> list[TokenEvent]:
-        """Run one forward; return the tokens sampled in it."""
+        """Run one scheduled step; return the tokens it produced, in order per request."""
         step = self.scheduler.schedule()
         if step is None:
             return []
-        out = self.runner.run(step)
+        if step.mode == ForwardMode.DECODE and self.speculator is not None:
+            speculative = [r for r in step.requests if r.speculative]
+            plain = [r for r in step.requests if not r.speculative]
+            events = self._forward(ScheduledStep(ForwardMode.DECODE, plain, [1] * len(plain))) \
+                if plain else []
+            return events + (self._speculate(speculative) if speculative else [])
+        return self._forward(step)
+
+    def _forward(self, step: ScheduledStep) -> list[TokenEvent]:
+        """One target forward (EXTEND or DECODE) and a token for each request it completes."""
+        out, batch = self.runner.run(step)
+        if self.speculator is not None and step.mode == ForwardMode.EXTEND:
+            rows = [t for r, start, n in zip(step.requests, batch.cu_seqlens.tolist(),
+                                             batch.extend_lens) if r.speculative
+                    for t in range(start, start + n)]
+            if rows:
+                self.speculator.extend_context(out.aux_hidden_states, batch,
+                                               torch.tensor(rows, device=batch.positions.device))
         # a chunk that does not finish its prompt produces no token
         sampled = [(i, r) for i, r in enumerate(step.requests) if not r.is_prefilling]
         if not sampled:
@@ -139,15 +181,31 @@ class LLMEngine:
         rows = torch.tensor([i for i, _ in sampled], device=out.logits.device)
         reqs = [r for _, r in sampled]
         for r in reqs:
-            if r.generator is not None:
-                # NOTE: reseeding per position makes a seeded request's tokens independent of
-                # where its earlier tokens were sampled (prefill worker, decode worker, locally).
-                r.generator.manual_seed(step_seed(r.params.seed, len(r.output_ids)))
+            self._reseed(r)
         tokens = self.sampler.sample(out.logits[rows], [r.params for r in reqs],
                                      [r.generator for r in reqs]).tolist()
         return [self._append(r, tok) for r, tok in zip(reqs, tokens)]
 
-    def _append(self, r: Request, tok: int) -> TokenEvent:
+    def _speculate(self, requests: list[Request]) -> list[TokenEvent]:
+        events = []
+        for outcome in self.speculator.step(requests, self._reseed):
+            r = outcome.request
+            r.accept_lengths.append(outcome.acceptance.commit_len)
+            for i, tok in enumerate(outcome.tokens):
+                event = self._append(r, tok, outcome.acceptance.commit_len if i == 0 else None)
+                events.append(event)
+                if event.finish_reason is not None:
+                    break  # nothing after a stop token (or the length limit) is emitted
+        return events
+
+    @staticmethod
+    def _reseed(r: Request) -> None:
+        if r.generator is not None:
+            # NOTE: reseeding per position makes a seeded request's tokens independent of
+            # where its earlier tokens were sampled (prefill worker, decode worker, locally).
+            r.generator.manual_seed(step_seed(r.params.seed, len(r.output_ids)))
+
+    def _append(self, r: Request, tok: int, accept_length: int | None = None) -> TokenEvent:
         r.output_ids.append(tok)
         if self.config.hold_after_prefill:
             self.scheduler.detach(r)
@@ -157,7 +215,7 @@ class LLMEngine:
             r.finish_reason = reason
             self.scheduler.release(r)
             del self.requests[r.request_id]
-        return TokenEvent(r.request_id, tok, reason)
+        return TokenEvent(r.request_id, tok, reason, accept_length=accept_length)
 
     def load(self) -> dict[str, int]:
         """Free and total capacity, queue lengths: what a worker reports to the router."""
@@ -168,13 +226,16 @@ class LLMEngine:
             "total_slots": self.state_pool.allocator.num_usable,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
+            **(self.speculator.stats if self.speculator else {}),
         }
 
     def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | list[SamplingParams]) -> list[Request]:
+                 params: SamplingParams | list[SamplingParams], *,
+                 speculative: bool | None = None) -> list[Request]:
         """Run prompts to completion; returns the finished requests in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        reqs = [self.add_request(p, sp, speculative=speculative)
+                for p, sp in zip(prompts, params_list)]
         while self.has_work():
             self.step()
         return reqs

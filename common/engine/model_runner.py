@@ -29,10 +29,11 @@ class ModelRunner:
             page_size=self.kv_pool.page_size, state_slots=[r.slot for r in reqs],
             return_all_logits=return_all_logits, device=self.device)
 
-    def run(self, step: ScheduledStep, *, return_all_logits: bool = False) -> ModelOutput:
+    def run(self, step: ScheduledStep, *,
+            return_all_logits: bool = False) -> tuple[ModelOutput, ForwardBatch]:
         """Run one forward and advance every request's ``num_cached``."""
         batch = self.build_batch(step, return_all_logits=return_all_logits)
         out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
         for r, n in zip(step.requests, step.num_new_tokens):
             r.num_cached += n
-        return out
+        return out, batch

@@ -35,6 +35,8 @@ class Request:
     slot: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    speculative: bool = False  # decoded with DFLASH steps (its draft context is kept)
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per DFLASH step
 
     @property
     def num_tokens(self) -> int:

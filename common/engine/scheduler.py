@@ -28,6 +28,8 @@ class SchedulerConfig:
     # decode and local engines reserve pages for prompt + max_new_tokens at admission; a
     # prefill worker only ever writes the prompt
     reserve_output_tokens: bool = True
+    # extra positions a speculative verify block may write past the committed tokens
+    lookahead_tokens: int = 0
 
 
 @dataclass
@@ -59,8 +61,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def pages_needed(self, request: Request) -> int:
-        tokens = (request.max_total_tokens if self.config.reserve_output_tokens
-                  else len(request.prompt_ids))
+        tokens = (request.max_total_tokens + self.config.lookahead_tokens
+                  if self.config.reserve_output_tokens else len(request.prompt_ids))
         return self.kv_pool.pages_for(tokens)
 
     def check_fits(self, request: Request) -> None:

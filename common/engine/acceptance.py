@@ -1,0 +1,61 @@
+"""Which drafted tokens a speculative step keeps, so that the output distribution is exactly the
+target's (lossless), for greedy and for sampled requests.
+
+The draft proposes greedily (a point mass on one token per position), as in SGLang's DFLASH
+worker. For a point-mass draft q = δ(x), chain rejection sampling reduces to: accept draft x_i
+with probability p_i(x_i); at the first rejection draw the correction from the residual
+max(p_i − q_i, 0) ∝ p_i with x_i removed; if every draft is accepted draw the bonus from the last
+position's p. p_i is the request's own filtered distribution (temperature, top-k, top-p, min-p:
+``common.sampling.filtered_probs``), so speculation changes nothing a sampler would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.sampling import SamplingParams, filtered_probs
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Per request: ``num_accepted`` drafts kept (0..B-1) and the ``bonus`` token after them;
+    the step commits ``num_accepted + 1`` tokens: the drafts, then the bonus."""
+
+    num_accepted: int
+    bonus: int
+
+    @property
+    def commit_len(self) -> int:
+        return self.num_accepted + 1
+
+
+def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> list[Acceptance]:
+    """Longest prefix of ``drafts`` [N, B-1] equal to the target's argmax over ``logits``
+    [N, B, V]; the bonus is the target's argmax right after it."""
+    choice = logits.argmax(-1)  # [N, B]
+    match = (drafts == choice[:, :-1]).int().cumprod(-1).sum(-1)  # [N]
+    bonus = choice.gather(1, match[:, None]).squeeze(1)
+    return [Acceptance(int(m), int(b)) for m, b in zip(match.tolist(), bonus.tolist())]
+
+
+def accept_sampled(drafts_row: torch.Tensor, logits_row: torch.Tensor, params: SamplingParams,
+                   generator: torch.Generator | None) -> Acceptance:
+    """Lossless rejection sampling of one request's point-mass drafts [B-1] against its target
+    logits [B, V]."""
+    probs = filtered_probs(logits_row, params)  # [B, V], rows sum to 1
+    device = probs.device
+    for i, token in enumerate(drafts_row.tolist()):
+        u = torch.rand((), generator=generator, device=device)
+        if u < probs[i, token]:
+            continue
+        residual = probs[i].clone()
+        residual[token] = 0.0
+        total = residual.sum()
+        if total <= 0:  # p put all its mass on the rejected token: cannot happen after u < p
+            raise RuntimeError("empty residual distribution in rejection sampling")
+        bonus = torch.multinomial(residual / total, 1, generator=generator)
+        return Acceptance(i, int(bonus))
+    last = probs[len(drafts_row)]
+    return Acceptance(len(drafts_row), int(torch.multinomial(last, 1, generator=generator)))

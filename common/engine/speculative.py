@@ -1,0 +1,129 @@
+"""One DFLASH step for a batch of running requests: draft a block, verify it with the target,
+keep the accepted prefix, roll the GDN state back to it, extend the draft's context.
+
+Block of request r: ``[last committed token, MASK x (B-1)]`` at positions ``start..start+B-1``
+where ``start = num_cached`` (the last committed token is the only one not yet in the cache).
+Proposals are greedy; acceptance is ``common.engine.acceptance`` (lossless for any sampler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.cache.kv_pool import KVPool
+from common.cache.state_pool import GDNStatePool
+from common.engine.acceptance import Acceptance, accept_greedy, accept_sampled
+from common.engine.request import Request
+from common.model.dflash import DFlashDraftModel, DraftKVPool
+from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.model.qwen3_5 import HybridForCausalLM
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one request got from a step: ``acceptance.commit_len`` tokens in ``tokens``."""
+
+    request: Request
+    tokens: list[int]
+    acceptance: Acceptance
+
+
+class DFlashSpeculator:
+    """Owns the draft and its context pool (same page ids as the target's KV pool).
+
+    Args:
+        block_size: B, tokens verified per step (default: the draft's trained block size).
+        max_requests: rows to reserve verify buffers for up front (0: this engine only
+            builds draft context, as a prefill worker does).
+    """
+
+    def __init__(self, target: HybridForCausalLM, draft: DFlashDraftModel, kv_pool: KVPool,
+                 state_pool: GDNStatePool, *, block_size: int | None = None,
+                 max_requests: int = 1) -> None:
+        self.target, self.draft = target, draft
+        self.block_size = block_size or draft.config.block_size
+        if self.block_size < 2:
+            raise ValueError(f"block size must be at least 2, got {self.block_size}")
+        self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.draft_pool = DraftKVPool.like(kv_pool, draft.config)
+        self.mask_token_id = draft.config.mask_token_id
+        target.set_dflash_layers_to_capture(draft.config.target_layer_ids)
+        if max_requests > 0:
+            state_pool.reserve_verify(max_requests, self.block_size)
+        self.stats = {"spec_steps": 0, "spec_committed_tokens": 0, "spec_drafted_tokens": 0}
+
+    def extend_context(self, aux_hidden: torch.Tensor, batch: ForwardBatch,
+                       rows: torch.Tensor | None = None) -> None:
+        """Add the draft context of ``batch``'s new tokens (or only ``rows`` of them)."""
+        positions, locs = batch.positions, batch.out_cache_loc
+        if rows is not None:
+            aux_hidden, positions, locs = aux_hidden[rows], positions[rows], locs[rows]
+        self.draft.extend_context(aux_hidden, positions, locs, self.draft_pool)
+
+    def propose(self, requests: list[Request], page_table: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts ``[N, B-1]`` for the requests' blocks."""
+        b = self.block_size
+        device = page_table.device
+        blocks = torch.full((len(requests), b), self.mask_token_id, dtype=torch.int64,
+                            device=device)
+        blocks[:, 0] = torch.tensor([r.output_ids[-1] for r in requests], device=device)
+        logits = self.draft.propose(
+            block_ids=blocks, start_positions=[r.num_cached for r in requests],
+            page_table=page_table, pool=self.draft_pool,
+            embed=self.target.get_input_embeddings().weight,
+            lm_head=self.target.get_output_weight())
+        return logits.argmax(-1)
+
+    def step(self, requests: list[Request], seed_for) -> list[StepOutcome]:
+        """Run one DFLASH step; every request's cache then holds its committed tokens.
+
+        Args:
+            seed_for: ``(request) -> None`` reseeds a sampled request's generator for its
+                next output position (the engine's rule, so seeded outputs are reproducible).
+        """
+        b, page_size = self.block_size, self.kv_pool.page_size
+        n = len(requests)
+        pages = [r.page_ids[:self.kv_pool.pages_for(r.num_cached + b)] for r in requests]
+        if any(len(p) * page_size < r.num_cached + b for p, r in zip(pages, requests)):
+            raise ValueError("a speculative request needs pages for block_size tokens past its "
+                             "cache (reserve them at admission)")
+        width = max(len(p) for p in pages)
+        device = self.kv_pool.kv.device
+        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32,
+                             device=device)
+        drafts = self.propose(requests, table)  # [N, B-1]
+        tokens = [[r.output_ids[-1]] + d for r, d in zip(requests, drafts.tolist())]
+        batch = ForwardBatch.build(
+            mode=ForwardMode.VERIFY, token_ids=tokens, prefix_lens=[r.num_cached for r in requests],
+            page_ids=pages, page_size=page_size, state_slots=[r.slot for r in requests],
+            device=device)
+        out = self.target(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+        logits = out.logits.view(n, b, -1)
+        accepted = self._accept(requests, drafts, logits, seed_for)
+        commits = [a.commit_len for a in accepted]
+        self.target.commit_verified(batch, commits, state_pool=self.state_pool)
+        rows = torch.cat([torch.arange(j, device=device) + i * b for i, j in enumerate(commits)])
+        self.extend_context(out.aux_hidden_states, batch, rows)
+        outcomes = []
+        for r, d, a in zip(requests, drafts.tolist(), accepted):
+            r.num_cached += a.commit_len
+            outcomes.append(StepOutcome(r, d[:a.num_accepted] + [a.bonus], a))
+        self.stats["spec_steps"] += n
+        self.stats["spec_committed_tokens"] += sum(commits)
+        self.stats["spec_drafted_tokens"] += n * (b - 1)
+        return outcomes
+
+    def _accept(self, requests, drafts, logits, seed_for) -> list[Acceptance]:
+        greedy_rows = [i for i, r in enumerate(requests) if r.params.is_greedy]
+        result: list[Acceptance | None] = [None] * len(requests)
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, device=logits.device)
+            for i, a in zip(greedy_rows, accept_greedy(drafts[index], logits[index])):
+                result[i] = a
+        for i, r in enumerate(requests):
+            if result[i] is None:
+                seed_for(r)
+                result[i] = accept_sampled(drafts[i], logits[i], r.params, r.generator)
+        return result
