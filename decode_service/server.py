@@ -114,4 +114,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             free_pages=load["free_pages"], total_pages=load["total_pages"],
             free_slots=load["free_slots"], total_slots=load["total_slots"],
             queue_len=load["waiting"], running=load["running"],
-            counters={**self.engine.counters, **self.counters}))
+            # DFLASH totals (spec_steps, spec_committed_tokens, spec_drafted_tokens) appear only
+            # on a worker with a draft; mean acceptance = committed / steps
+            counters={**{k: v for k, v in load.items() if k.startswith("spec_")},
+                      **self.engine.counters, **self.counters}))
