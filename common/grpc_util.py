@@ -75,18 +75,3 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return exc.code()
     return grpc.StatusCode.INTERNAL
 
-
-async def send_stream(call: grpc.aio.StreamUnaryCall, messages) -> object:
-    """Write ``messages`` on a client-streaming call and return its response.
-
-    NOTE: a server may answer before the client has finished writing (a decode worker refuses a
-    handoff at its header). Feeding the call from an iterator then surfaces as INTERNAL "Failed
-    execute_batch"; writing explicitly and awaiting the call yields the server's real status.
-    """
-    try:
-        for message in messages:
-            await call.write(message)
-        await call.done_writing()
-    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
-        pass  # the RPC already ended: its status is what the await below raises
-    return await call

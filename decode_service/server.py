@@ -37,7 +37,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise HandoffError("ABORTED", f"handoff {header.handoff_id} was aborted")
         return self.engine.reserve(header)
 
-    async def Handoff(self, request_iterator, context) -> decode_pb2.HandoffAck:
+    async def Handoff(self, request_iterator, context):
         assembler = HandoffAssembler(self.layout, self.fingerprint, self.max_handoff_bytes,
                                      self._reserve)
         reservation = None
@@ -51,6 +51,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 header = assembler.header
                 if header is not None and self.streams.is_aborted(header.handoff_id):
                     raise HandoffError("ABORTED", f"handoff {header.handoff_id} was aborted")
+                if isinstance(part, HeaderPart):
+                    # room is held: only now does the sender write the payload
+                    yield decode_pb2.HandoffReply(
+                        accepted=decode_pb2.HandoffAccepted(handoff_id=part.handoff_id))
             # DATA_LOSS if the stream ended before the trailer; else the verified reservation
             reservation = assembler.on_end()
             await asyncio.wrap_future(self.engine.admit(reservation))
@@ -60,6 +64,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 reservation.release()
             assembler.abort()
             log.info("handoff refused: %s", exc)
+            if assembler.header is not None:
+                # NOTE: the sender is mid-payload; ending the call under its writes would make
+                # its side report INTERNAL instead of this status, so read the rest first.
+                async for _ in request_iterator:
+                    pass
             await context.abort(grpc.StatusCode[exc.code], exc.message)
         except BaseException:
             # cancelled by the sender, or a bug: either way free what was held
@@ -69,8 +78,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise
         self.counters["handoffs_received"] += 1
         self.counters["handoff_bytes"] += assembler.bytes_received
-        return decode_pb2.HandoffAck(handoff_id=assembler.header.handoff_id,
-                                     bytes_received=assembler.bytes_received)
+        yield decode_pb2.HandoffReply(ack=decode_pb2.HandoffAck(
+            handoff_id=assembler.header.handoff_id, bytes_received=assembler.bytes_received))
 
     async def Stream(self, request: decode_pb2.StreamRequest, context):
         handoff_id = request.handoff_id

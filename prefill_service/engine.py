@@ -79,8 +79,8 @@ class PrefillEngine(EngineLoop):
         return {**self.engine.load(), "queue_len": len(self._jobs)}
 
     def has_work(self) -> bool:
-        return self.engine.has_work() and any(
-            r.is_prefilling for r in self.engine.requests.values())
+        # held (prefilled) requests are out of the batch; they only wait for release()
+        return self.engine.has_work()
 
     def step(self) -> None:
         for event in self.engine.step():

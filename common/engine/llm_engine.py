@@ -149,7 +149,9 @@ class LLMEngine:
         self.abort(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.num_requests > 0
+        """A step now would compute something (False while every waiting request waits for
+        room that only a release can make)."""
+        return self.scheduler.can_schedule()
 
     def step(self) -> list[TokenEvent]:
         """Run one scheduled step; return the tokens it produced, in order per request."""
@@ -236,6 +238,8 @@ class LLMEngine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.add_request(p, sp, speculative=speculative)
                 for p, sp in zip(prompts, params_list)]
-        while self.has_work():
+        while self.scheduler.num_requests:
+            if not self.has_work():
+                raise RuntimeError("requests are waiting for room that nothing will free")
             self.step()
         return reqs

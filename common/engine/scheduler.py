@@ -113,6 +113,16 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
 
+    def can_schedule(self) -> bool:
+        """Whether :meth:`schedule` would return a step now (a running request to advance, or
+        room to admit the first waiting one); an engine thread sleeps while this is False."""
+        if self.running:
+            return True
+        if not self.waiting or len(self.running) >= self.config.max_running_requests:
+            return False
+        return (self.kv_pool.allocator.can_allocate(self.pages_needed(self.waiting[0]))
+                and self.state_pool.allocator.can_allocate(1))
+
     def schedule(self) -> ScheduledStep | None:
         step = self._schedule_extend()
         if step is not None:

@@ -11,7 +11,6 @@ import torch
 
 from common import convert
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
-from common.grpc_util import send_stream
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
 from common.handoff.parts import ChunkPart, HeaderPart, TrailerPart
 from common.handoff.payload import HandoffPayload
@@ -20,6 +19,7 @@ from common.model.load import load_model, weights_identity
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from common.sampling import SamplingParams
 from decode_service.engine import DecodeEngine
+from prefill_service.handoff_sender import send_handoff
 from decode_service.server import DecodeServicer
 from decode_service.streams import TokenStreams
 
@@ -78,8 +78,8 @@ class DecodeHarness:
             fields=fields)
 
     async def send(self, parts) -> None:
-        await send_stream(self.stub.Handoff(timeout=10),
-                          [convert.handoff_part_to_pb(p) for p in parts])
+        await send_handoff(self.stub, [convert.handoff_part_to_pb(p) for p in parts],
+                           timeout_s=10)
 
 
 def run(coro):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.grpc_util import SERVER_OPTIONS
+from prefill_service.handoff_sender import send_handoff
 from common.pb.flashsplit.v1 import (decode_pb2, decode_pb2_grpc, prefill_pb2,
                                      prefill_pb2_grpc, types_pb2)
 
@@ -69,7 +70,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
                     decode_pb2.HandoffMessage(trailer=decode_pb2.HandoffTrailer())]
         async with grpc.aio.insecure_channel(request.decode_address) as ch:
             try:
-                await decode_pb2_grpc.DecodeStub(ch).Handoff(iter(messages), timeout=5)
+                await send_handoff(decode_pb2_grpc.DecodeStub(ch), messages, timeout_s=5)
             except grpc.aio.AioRpcError as exc:
                 # The decode worker's refusal is passed through with its own status.
                 await context.abort(exc.code(), f"handoff to {request.decode_address}: "
@@ -105,9 +106,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 header = msg.header
                 if self.knobs.refuse_with is not None:
                     await context.abort(self.knobs.refuse_with, "fake decode: no room")
+                yield decode_pb2.HandoffReply(
+                    accepted=decode_pb2.HandoffAccepted(handoff_id=header.handoff_id))
         self.handoffs[header.handoff_id] = header
         self._arrived[header.handoff_id].set()
-        return decode_pb2.HandoffAck(handoff_id=header.handoff_id)
+        yield decode_pb2.HandoffReply(ack=decode_pb2.HandoffAck(handoff_id=header.handoff_id))
 
     async def Stream(self, request, context):
         hid = request.handoff_id

@@ -21,6 +21,8 @@ from tests.common.model.checkpoints import load_hf_model, make_checkpoint
 PAGE = 4
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 WORKER_ARGS = ("--page-size", str(PAGE), "--num-pages", "512", "--num-slots", "40")
+# prefill in chunks of 5 tokens: long prompts cross chunk and page boundaries on the prefill side
+CHUNKED = WORKER_ARGS + ("--max-prefill-tokens", "5")
 
 
 def local_greedy(model, prompts, params=GREEDY):
@@ -64,7 +66,7 @@ def test_split_equals_local_and_transformers(tmp_path, kind):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
                           do_sample=False, pad_token_id=0)
         assert ours == ref[0, len(prompt):].tolist()
-    with Cluster(ClusterConfig(model=str(path), worker_args=WORKER_ARGS)) as cluster:
+    with Cluster(ClusterConfig(model=str(path), worker_args=CHUNKED)) as cluster:
         outs = asyncio.run(generate_all(cluster.router_address, prompts))
         assert [o.token_ids for o in outs] == expected
         assert all(o.finish_reason == "length" for o in outs)

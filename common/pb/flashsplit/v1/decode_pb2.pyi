@@ -104,6 +104,20 @@ class HandoffAck(_message.Message):
     bytes_received: int
     def __init__(self, handoff_id: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
+class HandoffAccepted(_message.Message):
+    __slots__ = ("handoff_id",)
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    handoff_id: int
+    def __init__(self, handoff_id: _Optional[int] = ...) -> None: ...
+
+class HandoffReply(_message.Message):
+    __slots__ = ("accepted", "ack")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    accepted: HandoffAccepted
+    ack: HandoffAck
+    def __init__(self, accepted: _Optional[_Union[HandoffAccepted, _Mapping]] = ..., ack: _Optional[_Union[HandoffAck, _Mapping]] = ...) -> None: ...
+
 class StreamRequest(_message.Message):
     __slots__ = ("handoff_id",)
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]

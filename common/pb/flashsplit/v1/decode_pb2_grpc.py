@@ -36,10 +36,10 @@ class DecodeStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Handoff = channel.stream_unary(
+        self.Handoff = channel.stream_stream(
                 '/flashsplit.v1.Decode/Handoff',
                 request_serializer=flashsplit_dot_v1_dot_decode__pb2.HandoffMessage.SerializeToString,
-                response_deserializer=flashsplit_dot_v1_dot_decode__pb2.HandoffAck.FromString,
+                response_deserializer=flashsplit_dot_v1_dot_decode__pb2.HandoffReply.FromString,
                 _registered_method=True)
         self.Stream = channel.unary_stream(
                 '/flashsplit.v1.Decode/Stream',
@@ -64,9 +64,11 @@ class DecodeServicer:
 
     def Handoff(self, request_iterator, context):
         """/ Receive one request's prompt state: a header, tensor chunks, then a trailer (docs/protocol.md).
-        / The worker reserves KV pages and a state slot when the header arrives and refuses early with
-        / FAILED_PRECONDITION (incompatible model or layout), INVALID_ARGUMENT (malformed), or
-        / RESOURCE_EXHAUSTED (no room); DATA_LOSS when bytes are missing or a checksum differs.
+        / The worker answers the header with `accepted` once it has reserved KV pages and a state slot,
+        / or ends the call with FAILED_PRECONDITION (incompatible model or layout), INVALID_ARGUMENT
+        / (malformed), RESOURCE_EXHAUSTED (no room) or ABORTED (request cancelled); the sender writes
+        / chunks only after `accepted`. After the trailer it answers `ack` once the request is admitted,
+        / or ends with INVALID_ARGUMENT / DATA_LOSS (bad or missing bytes, checksum mismatch).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,10 +99,10 @@ class DecodeServicer:
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Handoff': grpc.stream_unary_rpc_method_handler(
+            'Handoff': grpc.stream_stream_rpc_method_handler(
                     servicer.Handoff,
                     request_deserializer=flashsplit_dot_v1_dot_decode__pb2.HandoffMessage.FromString,
-                    response_serializer=flashsplit_dot_v1_dot_decode__pb2.HandoffAck.SerializeToString,
+                    response_serializer=flashsplit_dot_v1_dot_decode__pb2.HandoffReply.SerializeToString,
             ),
             'Stream': grpc.unary_stream_rpc_method_handler(
                     servicer.Stream,
@@ -140,12 +142,12 @@ class Decode:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/flashsplit.v1.Decode/Handoff',
             flashsplit_dot_v1_dot_decode__pb2.HandoffMessage.SerializeToString,
-            flashsplit_dot_v1_dot_decode__pb2.HandoffAck.FromString,
+            flashsplit_dot_v1_dot_decode__pb2.HandoffReply.FromString,
             options,
             channel_credentials,
             insecure,
