@@ -28,7 +28,27 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint directory; on by default for every request when given")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per DFLASH step (default: the draft's own block_size)")
+    add_kernel_args(p)
     p.add_argument("--log-level", default="INFO")
+
+
+def add_kernel_args(p: argparse.ArgumentParser) -> None:
+    from common.ops.gpu_backends import BACKEND_SETS
+
+    p.add_argument("--kernels", default="auto", choices=("auto", *BACKEND_SETS),
+                   help="kernel set (docs/kernels.md); auto: 'gpu' on a CUDA device, else "
+                        "'reference'")
+
+
+def kernels_from_args(args: argparse.Namespace):
+    """The model's kernels for ``--kernels`` on ``--device`` (logged once)."""
+    from common.ops.gpu_backends import describe, select_kernels
+
+    name = args.kernels
+    if name == "auto":
+        name = "gpu" if str(args.device).startswith("cuda") else "reference"
+    logging.getLogger(__name__).info("kernels %s", describe(name))
+    return select_kernels(name)
 
 
 def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> EngineConfig:
@@ -51,7 +71,8 @@ def build_engine(args: argparse.Namespace, *, prefill: bool):
     from common.model.dflash import load_draft
     from common.model.load import eos_token_ids_for, load_model, weights_identity
 
-    model = load_model(args.model, dtype=dtype_from_args(args), device=args.device)
+    model = load_model(args.model, dtype=dtype_from_args(args), device=args.device,
+                       kernels=kernels_from_args(args))
     draft = load_draft(args.draft, model) if args.draft else None
     config = engine_config_from_args(args, prefill=prefill)
     engine = LLMEngine(model, config, eos_token_ids_for(args.model, model.config), draft=draft,

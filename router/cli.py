@@ -37,14 +37,17 @@ def parse_ids(text: str) -> list[int]:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    from common.worker_args import add_kernel_args
+
     p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (built in)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the config's)")
+    add_kernel_args(p)
 
 
 # Worker flags that `flashsplit up` passes through unchanged (--device is spread over workers).
 _WORKER_FLAGS = ("--dtype", "--page-size", "--num-pages", "--num-slots", "--max-prefill-tokens",
-                 "--max-running-requests", "--draft", "--block-size")
+                 "--max-running-requests", "--draft", "--block-size", "--kernels")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,8 +111,11 @@ def run_local(args: argparse.Namespace, prompts: list[list[int]],
     from common.model.dflash import load_draft
     from common.model.load import eos_token_ids_for, load_model
 
+    from common.worker_args import kernels_from_args
+
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = load_model(args.model, dtype=dtype, device=args.device)
+    model = load_model(args.model, dtype=dtype, device=args.device,
+                       kernels=kernels_from_args(args))
     draft = load_draft(args.draft, model) if args.draft else None
     if speculative_choice(args) and draft is None:
         raise ValueError("--speculative on needs --draft")
@@ -232,7 +238,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from router.demo import run_demo
 
-    return run_demo(model=args.model, max_new_tokens=args.max_new_tokens, device=args.device)
+    return run_demo(model=args.model, max_new_tokens=args.max_new_tokens, device=args.device,
+                    kernels=args.kernels)
 
 
 def main(argv: list[str] | None = None) -> int:

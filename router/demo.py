@@ -38,11 +38,12 @@ def local_reference(model: str, prompts, params: SamplingParams) -> list[list[in
     return [r.output_ids for r in engine.generate([tokenizer.encode(p) for p in prompts], params)]
 
 
-def run_demo(*, model: str, max_new_tokens: int, device: str) -> int:
+def run_demo(*, model: str, max_new_tokens: int, device: str, kernels: str = "auto") -> int:
     from router.cluster import Cluster, ClusterConfig
 
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    config = ClusterConfig(model=model, worker_args=("--device", device), echo_logs=False)
+    config = ClusterConfig(model=model, worker_args=("--device", device, "--kernels", kernels),
+                           echo_logs=False)
     print(f"starting router + 1 prefill + 1 decode worker on 127.0.0.1 (model {model!r}) ...",
           flush=True)
     start = time.perf_counter()

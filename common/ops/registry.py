@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["OpRegistry", "default_registry", "REFERENCE_BACKEND", "REFERENCE_OPS"]
+__all__ = ["OpRegistry", "default_registry", "REFERENCE_BACKEND", "REFERENCE_OPS", "GPU_OPS"]
 
 REFERENCE_BACKEND = "reference"
 
@@ -29,6 +29,22 @@ REFERENCE_OPS: dict[str, str] = {
     "apply_rope": "common.ops.rope.reference",
     "silu_glu_mlp": "common.ops.mlp.reference",
     "sparse_moe": "common.ops.moe.reference",
+}
+
+# op name -> GPU backend name -> module holding it (attribute named like the op). Importing the
+# module pulls in triton / fla / flashinfer, so it only happens when the backend is first resolved.
+GPU_OPS: dict[str, dict[str, str]] = {
+    "chunk_gated_delta_rule": {
+        "fla": "common.ops.gdn.fla",
+        "flashinfer": "common.ops.gdn.flashinfer",
+    },
+    "recurrent_gated_delta_rule": {
+        "fla": "common.ops.gdn.fla",
+        "triton": "common.ops.gdn.triton",
+    },
+    "causal_conv1d_prefill": {"triton": "common.ops.conv1d.triton"},
+    "causal_conv1d_update": {"triton": "common.ops.conv1d.triton"},
+    "paged_attention": {"flashinfer": "common.ops.attention.flashinfer"},
 }
 
 Factory = Callable[[], Callable[..., Any]]
@@ -82,8 +98,13 @@ class OpRegistry:
 
 
 def default_registry() -> OpRegistry:
-    """A fresh registry with the plain-torch ``reference`` backend of every op."""
+    """A fresh registry with the plain-torch ``reference`` backend of every op and the GPU
+    backends of ``GPU_OPS``. Registration is lazy: resolving a backend is what imports its kernel
+    library, so this is safe on a machine without a GPU until such a backend is chosen."""
     registry = OpRegistry()
     for op, module in REFERENCE_OPS.items():
         registry.register(op, REFERENCE_BACKEND, _import_factory(module, op))
+    for op, backends in GPU_OPS.items():
+        for backend, module in backends.items():
+            registry.register(op, backend, _import_factory(module, op))
     return registry

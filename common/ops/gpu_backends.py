@@ -1,0 +1,81 @@
+"""Named kernel sets: which backend each registry op uses, chosen by name (e.g. ``--kernels gpu``).
+
+Every set maps registry op names to backend names; ops a set leaves out use "reference".
+
+- ``reference``: plain torch everywhere (CPU or GPU; the definition of the numbers).
+- ``gpu``: the fastest backends measured on H200 (docs/kernels.md): FlashInfer chunked GDN
+  prefill (128-dim heads; other head dims and fp32 go to fla), fla recurrent step (our Triton
+  kernel when per-token states are asked for), our Triton conv1d, FlashInfer paged attention
+  (fp16/bf16 with head dim 64/128/256; anything else goes to the reference).
+- ``gpu-fla``: as ``gpu`` but with fla's chunked prefill, for machines whose FlashInfer lacks
+  the CuTe-DSL libraries its GDN kernels need.
+
+Ops with no GPU backend (norms, rope, gates, MLP, MoE) are plain torch, which runs on the GPU.
+"""
+
+from __future__ import annotations
+
+from common.ops.registry import GPU_OPS, REFERENCE_BACKEND, REFERENCE_OPS, OpRegistry, default_registry
+
+__all__ = ["BACKEND_SETS", "backends_for", "chosen_backends", "describe", "select_kernels"]
+
+BACKEND_SETS: dict[str, dict[str, str]] = {
+    "reference": {},
+    "gpu": {
+        "chunk_gated_delta_rule": "flashinfer",
+        "recurrent_gated_delta_rule": "fla",
+        "causal_conv1d_prefill": "triton",
+        "causal_conv1d_update": "triton",
+        "paged_attention": "flashinfer",
+    },
+    "gpu-fla": {
+        "chunk_gated_delta_rule": "fla",
+        "recurrent_gated_delta_rule": "fla",
+        "causal_conv1d_prefill": "triton",
+        "causal_conv1d_update": "triton",
+        "paged_attention": "flashinfer",
+    },
+}
+
+
+def _check_sets() -> None:
+    for name, backends in BACKEND_SETS.items():
+        for op, backend in backends.items():
+            if op not in REFERENCE_OPS or backend not in GPU_OPS.get(op, {}):
+                raise AssertionError(f"kernel set {name!r}: {op!r} has no backend {backend!r}")
+
+
+_check_sets()
+
+
+def backends_for(name: str) -> dict[str, str]:
+    """The op -> backend overrides of set ``name`` (a copy); ValueError naming the sets otherwise."""
+    if name not in BACKEND_SETS:
+        raise ValueError(f"unknown kernel set {name!r}; known: {', '.join(sorted(BACKEND_SETS))}")
+    return dict(BACKEND_SETS[name])
+
+
+def chosen_backends(name: str, ops: list[str] | None = None) -> dict[str, str]:
+    """Every op of ``ops`` (default: all registry ops) with the backend set ``name`` gives it."""
+    overrides = backends_for(name)
+    return {op: overrides.get(op, REFERENCE_BACKEND) for op in (ops or sorted(REFERENCE_OPS))}
+
+
+def describe(name: str, ops: list[str] | None = None) -> str:
+    """One line for logs: ``gpu: chunk_gated_delta_rule=flashinfer, ...; rest reference``."""
+    chosen = chosen_backends(name, ops)
+    special = [f"{op}={b}" for op, b in chosen.items() if b != REFERENCE_BACKEND]
+    rest = len(chosen) - len(special)
+    return f"{name}: " + ", ".join(special + ([f"{rest} ops reference"] if rest else []))
+
+
+def select_kernels(name: str):
+    """The model's :class:`~common.model.kernels.Kernels` for set ``name`` (resolves, and so
+    imports, the chosen backends now: a missing GPU library fails here, not mid-forward)."""
+    from common.model.kernels import Kernels
+
+    try:
+        return Kernels.select(backends=backends_for(name), registry=default_registry())
+    except ImportError as exc:
+        raise ValueError(f"kernel set {name!r} needs its GPU libraries ({exc}); install the "
+                         "package's `gpu` extra, or use --kernels reference") from exc

@@ -1,0 +1,56 @@
+"""Test-wide setup: seeded RNGs, GPU tests skipped where there is no CUDA device, metric records."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+
+def _cuda_available() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:  # a broken driver install counts as no GPU
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_rngs():
+    """Every test starts from the same global RNG state, whatever ran before it."""
+    random.seed(0)
+    torch.manual_seed(0)
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        np.random.seed(0)
+    yield
+
+
+@pytest.fixture
+def record_metric(request):
+    """``record_metric(name, value)``: print an accuracy figure and, when FLASHSPLIT_TEST_METRICS
+    names a file, append it there as a JSON line (test id, name, value)."""
+    path = os.environ.get("FLASHSPLIT_TEST_METRICS")
+
+    def record(name: str, value) -> None:
+        value = float(value) if isinstance(value, (int, float)) or torch.is_tensor(value) else value
+        print(f"[metric] {request.node.nodeid} {name} = {value}")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"test": request.node.nodeid, "name": name, "value": value}) + "\n")
+
+    return record
