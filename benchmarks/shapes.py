@@ -33,3 +33,15 @@ def shape_config(name: str) -> ModelConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
     return ModelConfig.from_dict(dict(SHAPES[name]))
+
+
+# A z-lab-style DFLASH draft for the 4B target (geometry of z-lab's Qwen3-4B-DFlash-b16 draft;
+# target layer ids by the default rule for 32 target layers and 5 draft layers).
+QWEN3_5_4B_DRAFT = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 2560,
+    "intermediate_size": 9728, "num_hidden_layers": 5, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "attention_bias": False, "hidden_act": "silu", "vocab_size": 248320,
+    "num_target_layers": 32, "block_size": 16,
+    "dflash_config": {"mask_token_id": 248070},
+}

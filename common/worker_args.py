@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 import torch
 
@@ -77,6 +78,9 @@ def build_engine(args: argparse.Namespace, *, prefill: bool):
     config = engine_config_from_args(args, prefill=prefill)
     engine = LLMEngine(model, config, eos_token_ids_for(args.model, model.config), draft=draft,
                        block_size=args.block_size)
+    start = time.perf_counter()
+    engine.warmup()
+    logging.getLogger(__name__).info("warm-up took %.1f s", time.perf_counter() - start)
     layout = LayoutDescriptor.from_model(model.config, config.cache.page_size, model.dtype)
     return engine, layout, model_fingerprint(model.config, weights_identity(args.model))
 

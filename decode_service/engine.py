@@ -114,8 +114,9 @@ class DecodeEngine(EngineLoop):
     def abort(self, handoff_id: int) -> Future:
         return self.call(self._abort, handoff_id)
 
-    def load(self) -> Future:
-        return self.call(self.engine.load)
+    def load(self) -> dict[str, int]:
+        """A load snapshot, read from the calling thread: never waits for a step."""
+        return self.engine.load()
 
     # --- engine thread ---
     def _admit(self, res: PoolReservation) -> None:

@@ -117,7 +117,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return types_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context) -> types_pb2.LoadReport:
-        load = await asyncio.wrap_future(self.engine.load())
+        load = self.engine.load()
         return convert.load_report_to_pb(LoadReport(
             kind="decode", address=self.address, model_fingerprint=self.fingerprint,
             free_pages=load["free_pages"], total_pages=load["total_pages"],

@@ -57,8 +57,9 @@ class PrefillEngine(EngineLoop):
     def abort(self, handoff_id: int) -> Future:
         return self.call(self._abort, str(handoff_id))
 
-    def load(self) -> Future:
-        return self.call(self._load)
+    def load(self) -> dict[str, int]:
+        """A load snapshot, read from the calling thread: never waits for a step."""
+        return {**self.engine.load(), "queue_len": len(self._jobs)}
 
     # --- engine thread ---
     def _add(self, job: PrefillJob, result: Future) -> None:
@@ -74,9 +75,6 @@ class PrefillEngine(EngineLoop):
             self.counters["aborted"] += 1
             entry[1].set_exception(PrefillAborted(f"handoff {key} was aborted"))
         return found
-
-    def _load(self) -> dict[str, int]:
-        return {**self.engine.load(), "queue_len": len(self._jobs)}
 
     def has_work(self) -> bool:
         # held (prefilled) requests are out of the batch; they only wait for release()

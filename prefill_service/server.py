@@ -113,7 +113,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return types_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context) -> types_pb2.LoadReport:
-        load = await asyncio.wrap_future(self.engine.load())
+        load = self.engine.load()
         counters = {**self.engine.counters, **self.counters}
         return convert.load_report_to_pb(LoadReport(
             kind="prefill", address=self.address, model_fingerprint=self.engine.fingerprint,

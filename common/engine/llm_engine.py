@@ -219,8 +219,23 @@ class LLMEngine:
             del self.requests[r.request_id]
         return TokenEvent(r.request_id, tok, reason, accept_length=accept_length)
 
+    def warmup(self) -> None:
+        """Run one short request through every path this engine serves (prefill, decode, a
+        DFLASH step), so that kernels compile and autotune before a worker reports SERVING."""
+        steps = self.speculator.block_size + 2 if self.speculator else 3
+        params = SamplingParams(temperature=0.0, max_new_tokens=steps, ignore_eos=True)
+        key = "__warmup__"
+        self.add_request(list(range(1, 9)), params, request_id=key)
+        while key in self.requests and self.has_work():
+            if any(e.held for e in self.step()):
+                break
+        self.abort(key)  # a request held for handoff (prefill workers) still owns its cache
+
     def load(self) -> dict[str, int]:
-        """Free and total capacity, queue lengths: what a worker reports to the router."""
+        """Free and total capacity, queue lengths: what a worker reports to the router.
+
+        Safe to call from any thread (allocators lock; the rest are single reads), so a load
+        report never waits for a step to finish."""
         return {
             "free_pages": self.kv_pool.allocator.num_free,
             "total_pages": self.kv_pool.allocator.num_usable,

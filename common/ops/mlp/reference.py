@@ -11,7 +11,9 @@ __all__ = ["silu_glu_mlp"]
 def silu_glu_mlp(
     *, x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor
 ) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` computed in fp32 (fp64 for fp64 x).
+    """``down(silu(gate(x)) * up(x))`` in x's dtype, as transformers computes it (GEMMs
+    accumulate in fp32 inside; casting the weights up instead would rewrite every weight on
+    every call).
 
     Args:
         x: [..., H].
@@ -28,7 +30,5 @@ def silu_glu_mlp(
         )
     if down_proj.shape != (hidden, gate_proj.shape[0]):
         raise ValueError(f"down_proj must be [{hidden}, {gate_proj.shape[0]}], got {tuple(down_proj.shape)}")
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    h = x.to(dt)
-    act = F.silu(h @ gate_proj.to(dt).T) * (h @ up_proj.to(dt).T)
-    return (act @ down_proj.to(dt).T).to(x.dtype)
+    act = F.silu(F.linear(x, gate_proj.to(x.dtype))) * F.linear(x, up_proj.to(x.dtype))
+    return F.linear(act, down_proj.to(x.dtype))

@@ -77,20 +77,20 @@ def sparse_moe(
     if shared_expert_gate is not None and shared_expert_gate.shape != (1, hidden):
         raise ValueError(f"shared_expert_gate must be [1, {hidden}], got {tuple(shared_expert_gate.shape)}")
 
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    ids, weights = _route(x, router_weight, top_k, norm_topk_prob, dt)
-    h = x.to(dt)
-    out = torch.zeros(t, hidden, dtype=dt, device=x.device)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    ids, weights = _route(x, router_weight, top_k, norm_topk_prob, acc)
+    # expert GEMMs in x's dtype (as transformers); the weighted sum over experts in fp32
+    out = torch.zeros(t, hidden, dtype=acc, device=x.device)
     # Visit experts in ascending id, each over the tokens that picked it, so the sum order is fixed.
     for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)
-        gate_up = h[tok] @ experts_gate_up[e].to(dt).T
+        gate_up = F.linear(x[tok], experts_gate_up[e].to(x.dtype))
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        contrib = (act @ experts_down[e].to(dt).T) * weights[tok, slot, None].to(dt)
+        contrib = F.linear(act, experts_down[e].to(x.dtype)).to(acc) * weights[tok, slot, None].to(acc)
         out.index_add_(0, tok, contrib)
     if shared_expert_gate is not None:
         shared_out = silu_glu_mlp(
-            x=h, gate_proj=shared_gate_proj, up_proj=shared_up_proj, down_proj=shared_down_proj
+            x=x, gate_proj=shared_gate_proj, up_proj=shared_up_proj, down_proj=shared_down_proj
         )
-        out = out + torch.sigmoid(h @ shared_expert_gate.to(dt).T) * shared_out
+        out = out + (torch.sigmoid(F.linear(x, shared_expert_gate.to(x.dtype))) * shared_out).to(acc)
     return out.to(x.dtype)

@@ -1,0 +1,183 @@
+"""Decode step time vs batch size, prefill throughput, and DFLASH draft/verify times on a GPU,
+for a Qwen3.5-4B-shaped model with random weights (eager execution; CUDA graphs are not built).
+
+Decode steps are compared with the floor memory bandwidth sets:
+(weight bytes + KV bytes read + GDN state bytes read and written) / the measured copy bandwidth.
+
+    python -m benchmarks.decode [--kernels gpu] [--out out/decode.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.shapes import QWEN3_5_4B_DRAFT, shape_config
+from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+from common.engine.scheduler import SchedulerConfig
+from common.model.builtin import fill_deterministic, fill_draft_deterministic
+from common.model.dflash import DFlashDraftModel
+from common.model.dflash_config import DFlashConfig
+from common.model.qwen3_5 import model_class_for
+from common.ops.gpu_backends import select_kernels
+from common.sampling import SamplingParams
+
+CONTEXT = 512
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def build(kernels: str, with_draft: bool):
+    config = shape_config("qwen3.5-4b")
+    with torch.device("cuda"):
+        model = model_class_for(config)(config, kernels=select_kernels(kernels))
+    fill_deterministic(model.named_parameters(), seed=1, device="cuda")
+    draft = None
+    if with_draft:
+        with torch.device("cuda"):
+            draft = DFlashDraftModel(DFlashConfig.from_dict(dict(QWEN3_5_4B_DRAFT),
+                                                            target=config),
+                                     dtype=model.dtype, kernels=model.kernels)
+        fill_draft_deterministic(draft.named_parameters(), seed=2, device="cuda")
+    return model.eval(), draft
+
+
+def engine_for(model, draft, *, block_size=None, max_running=256):
+    cache = CacheConfig(page_size=16, num_pages=max_running * (CONTEXT + 160) // 16 + 64,
+                        num_slots=max_running + 1)
+    sched = SchedulerConfig(max_prefill_tokens=16384, max_running_requests=max_running)
+    return LLMEngine(model, EngineConfig(cache=cache, scheduler=sched, device="cuda"),
+                     draft=draft, block_size=block_size)
+
+
+def fill_batch(engine, batch: int, prompt_len: int, new_tokens: int) -> list:
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    reqs = [engine.add_request(torch.randint(0, 240000, (prompt_len,), generator=gen).tolist(),
+                               params) for _ in range(batch)]
+    while any(r.is_prefilling for r in reqs):
+        engine.step()
+    return reqs
+
+
+def timed(fn, repeats: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def copy_bandwidth() -> float:
+    """Bytes moved per second by a device copy (each byte read once and written once)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), 10)
+
+
+def decode_floor_s(model, batch: int, context: int, bandwidth: float) -> float:
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    c = model.config
+    kv_per_token = len(c.full_attention_layers) * 2 * c.num_key_value_heads * c.head_dim * 2
+    state = len(c.linear_attention_layers) * (c.linear_num_value_heads * c.linear_key_head_dim
+                                              * c.linear_value_head_dim * 4
+                                              + c.conv_dim * (c.linear_conv_kernel_dim - 1) * 2)
+    return (weights + batch * (context * kv_per_token + 2 * state)) / bandwidth
+
+
+def bench_decode(model, bandwidth, batches) -> list[dict]:
+    rows = []
+    for batch in batches:
+        engine = engine_for(model, None, max_running=max(batches))
+        reqs = fill_batch(engine, batch, CONTEXT, 64)
+        engine.step()  # warm-up at this batch size
+        step_s = timed(engine.step, 8)
+        floor = decode_floor_s(model, batch, CONTEXT + 5, bandwidth)
+        rows.append({"batch": batch, "step_ms": step_s * 1e3, "floor_ms": floor * 1e3,
+                     "x_floor": step_s / floor, "tokens_per_s": batch / step_s})
+        for r in reqs:
+            engine.abort(r.request_id)
+        del engine
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_prefill(model, counts, prompt_len=2048) -> list[dict]:
+    rows = []
+    for n in counts:
+        engine = engine_for(model, None, max_running=max(counts))
+        fill_batch(engine, 1, 64, 1)  # warm-up
+        start = time.perf_counter()
+        fill_batch(engine, n, prompt_len, 1)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        rows.append({"prompts": n, "prompt_len": prompt_len, "seconds": seconds,
+                     "tokens_per_s": n * prompt_len / seconds})
+        del engine
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_dflash(model, draft, block_sizes, batches) -> list[dict]:
+    rows = []
+    for b in block_sizes:
+        for batch in batches:
+            engine = engine_for(model, draft, block_size=b, max_running=max(batches))
+            spec = engine.speculator
+            reqs = fill_batch(engine, batch, CONTEXT, 200)
+            engine.step()  # warm-up step
+            page_size = engine.kv_pool.page_size
+            width = max(len(r.page_ids) for r in reqs)
+            table = torch.tensor([r.page_ids + [0] * (width - len(r.page_ids)) for r in reqs],
+                                 dtype=torch.int32, device="cuda")
+            draft_s = timed(lambda: spec.propose(reqs, table), 5)
+            step_s = timed(engine.step, 5)
+            rows.append({"block_size": b, "batch": batch, "draft_ms": draft_s * 1e3,
+                         "verify_ms": (step_s - draft_s) * 1e3, "step_ms": step_s * 1e3,
+                         "draft_over_verify": draft_s / (step_s - draft_s), "page": page_size})
+            del engine
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kernels", default="gpu")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    p.add_argument("--out", default="out/decode.json")
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    model, draft = build(args.kernels, with_draft=True)
+    bandwidth = copy_bandwidth()
+    decode = bench_decode(model, bandwidth, batches)
+    prefill = bench_prefill(model, [1, 4, 16, 32])
+    dflash = bench_dflash(model, draft, [8, 16], [1, 8])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "kernels": args.kernels,
+                               "device": torch.cuda.get_device_name(),
+                               "copy_GBps": bandwidth / 1e9, "decode": decode,
+                               "prefill": prefill, "dflash": dflash}, indent=2))
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read+write); context {CONTEXT} tokens")
+    print(f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'x floor':>8} {'tok/s':>9}")
+    for r in decode:
+        print(f"{r['batch']:>5} {r['step_ms']:>9.2f} {r['floor_ms']:>9.3f} {r['x_floor']:>8.1f} "
+              f"{r['tokens_per_s']:>9.0f}")
+    print(f"{'prompts':>7} {'x tokens':>9} {'seconds':>8} {'tok/s':>9}")
+    for r in prefill:
+        print(f"{r['prompts']:>7} {r['prompt_len']:>9} {r['seconds']:>8.3f} "
+              f"{r['tokens_per_s']:>9.0f}")
+    print(f"{'B':>3} {'batch':>5} {'draft ms':>9} {'verify ms':>10} {'draft/verify':>13}")
+    for r in dflash:
+        print(f"{r['block_size']:>3} {r['batch']:>5} {r['draft_ms']:>9.2f} {r['verify_ms']:>10.2f} "
+              f"{r['draft_over_verify']:>13.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
