@@ -7,14 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
+from common.ops.attention.reference import as_lengths
+
 __all__ = ["draft_block_attention"]
-
-
-def _as_list(name: str, value: Sequence[int] | torch.Tensor, n: int) -> list[int]:
-    values = [int(x) for x in (value.tolist() if isinstance(value, torch.Tensor) else value)]
-    if len(values) != n or any(x < 0 for x in values):
-        raise ValueError(f"{name} must hold {n} non-negative integers, got {values}")
-    return values
 
 
 def draft_block_attention(
@@ -73,8 +68,8 @@ def draft_block_attention(
                          f"{tuple(page_table.shape)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    ctx = _as_list("context_lens", context_lens, n)
-    start = _as_list("start_positions", start_positions, n)
+    ctx = as_lengths("context_lens", context_lens, n)
+    start = as_lengths("start_positions", start_positions, n)
     num_pages, page_size = k_cache.shape[:2]
     if n and max(ctx) > page_table.shape[1] * page_size:
         raise ValueError("a context is longer than max_pages * page_size positions")

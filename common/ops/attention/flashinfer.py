@@ -91,13 +91,6 @@ def page_indices(page_table: torch.Tensor, seq_lens: Sequence[int], page_size: i
     return kv_indptr, kv_indices, last
 
 
-def _lengths(name: str, value, n: int) -> list[int]:
-    values = [int(x) for x in (value.tolist() if isinstance(value, torch.Tensor) else value)]
-    if len(values) != n or any(x < 0 for x in values):
-        raise ValueError(f"{name} must hold {n} non-negative lengths, got {values}")
-    return values
-
-
 def paged_attention(
     *,
     q: torch.Tensor,
@@ -121,8 +114,8 @@ def paged_attention(
     if page_table.dim() != 2 or page_table.is_floating_point():
         raise ValueError(f"page_table must be an integer [N, max_pages] tensor, got {tuple(page_table.shape)}")
     n = page_table.shape[0]
-    prefix = _lengths("prefix_lens", prefix_lens, n)
-    extend = _lengths("extend_lens", extend_lens, n)
+    prefix = reference.as_lengths("prefix_lens", prefix_lens, n)
+    extend = reference.as_lengths("extend_lens", extend_lens, n)
     if sum(extend) != t:
         raise ValueError(f"sum(extend_lens) = {sum(extend)} but q has {t} tokens")
     out = torch.empty_like(q)

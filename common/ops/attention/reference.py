@@ -9,7 +9,8 @@ import torch
 __all__ = ["paged_attention"]
 
 
-def _as_list(name: str, value: Sequence[int] | torch.Tensor, n: int) -> list[int]:
+def as_lengths(name: str, value: Sequence[int] | torch.Tensor, n: int) -> list[int]:
+    """Per-request lengths as ints; ValueError unless there are ``n`` of them, none negative."""
     values = [int(x) for x in (value.tolist() if isinstance(value, torch.Tensor) else value)]
     if len(values) != n or any(x < 0 for x in values):
         raise ValueError(f"{name} must hold {n} non-negative lengths, got {values}")
@@ -59,8 +60,8 @@ def paged_attention(
     if page_table.dim() != 2 or page_table.is_floating_point():
         raise ValueError(f"page_table must be an integer [N, max_pages] tensor, got {tuple(page_table.shape)}")
     n, max_pages = page_table.shape
-    prefix = _as_list("prefix_lens", prefix_lens, n)
-    extend = _as_list("extend_lens", extend_lens, n)
+    prefix = as_lengths("prefix_lens", prefix_lens, n)
+    extend = as_lengths("extend_lens", extend_lens, n)
     if sum(extend) != t:
         raise ValueError(f"sum(extend_lens) = {sum(extend)} but q has {t} tokens")
     if n and max(p + e for p, e in zip(prefix, extend)) > max_pages * page_size:

@@ -1,4 +1,4 @@
-"""Input checks and layout helpers shared by the GPU Gated DeltaNet backends."""
+"""Input checks (shared with the reference) and layout helpers of the Gated DeltaNet backends."""
 
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.ops.gdn._common import check_shapes
+
 __all__ = ["gdn_gating", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 _L2NORM_EPS = 1e-6
@@ -52,26 +54,10 @@ def gdn_gating(
 
 def _prepare(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
     """Validate, cast, expand q/k to the value heads, and apply l2norm and scale once for all tokens."""
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be [T, HK, K], got {tuple(q.shape)} and {tuple(k.shape)}")
-    if v.dim() != 3 or v.shape[0] != q.shape[0]:
-        raise ValueError(f"v must be [T, HV, V] with T={q.shape[0]}, got {tuple(v.shape)}")
-    t, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    if hv % hk != 0:
-        raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
-    if g.shape != (t, hv) or beta.shape != (t, hv):
-        raise ValueError(f"g and beta must be [{t}, {hv}], got {tuple(g.shape)} and {tuple(beta.shape)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-        raise ValueError("cu_seqlens must be an integer tensor [N+1] with N >= 1")
+    t, hk, dk, hv, dv, n = check_shapes(q, k, v, g, beta, cu_seqlens, initial_state)
     bounds = [int(x) for x in cu_seqlens.tolist()]
     if bounds[0] != 0 or bounds[-1] != t or any(e < s for s, e in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to T={t}, got {bounds}")
-    n = len(bounds) - 1
-    if initial_state is not None and initial_state.shape != (n, hv, dk, dv):
-        raise ValueError(
-            f"initial_state must be [{n}, {hv}, {dk}, {dv}] (K-major), got {tuple(initial_state.shape)}"
-        )
 
     dt = _compute_dtype(q, k, v)
     r = hv // hk
