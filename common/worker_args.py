@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 
 import torch
@@ -87,6 +88,13 @@ def build_engine(args: argparse.Namespace, *, prefill: bool):
 
 def dtype_from_args(args: argparse.Namespace) -> torch.dtype | None:
     return getattr(torch, args.dtype) if args.dtype else None
+
+
+def setup_process(level: str) -> None:
+    """Logging, and a short GIL switch interval: the engine thread and the asyncio loop share
+    the GIL, and at the default 5 ms every token waits up to that long to reach the network."""
+    sys.setswitchinterval(0.0005)
+    setup_logging(level)
 
 
 def setup_logging(level: str) -> None:

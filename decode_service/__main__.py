@@ -8,7 +8,7 @@ import sys
 
 from common.grpc_util import bind, make_server, serve_until_signal
 from common.pb.flashsplit.v1 import decode_pb2_grpc
-from common.worker_args import add_worker_args, build_engine, setup_logging
+from common.worker_args import add_worker_args, build_engine, setup_process
 from decode_service.engine import DecodeEngine
 from decode_service.server import DecodeServicer
 from decode_service.streams import TokenStreams
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-handoff-bytes", type=int, default=8 << 30,
                         help="largest handoff payload accepted")
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_process(args.log_level)
     asyncio.run(serve(args))
     return 0
 

@@ -8,7 +8,7 @@ import sys
 
 from common.grpc_util import bind, make_server, serve_until_signal
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
-from common.worker_args import add_worker_args, build_engine, setup_logging
+from common.worker_args import add_worker_args, build_engine, setup_process
 from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import HandoffSender
 from prefill_service.server import PrefillServicer
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashsplit-prefill", description=__doc__)
     add_worker_args(parser)
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_process(args.log_level)
     asyncio.run(serve(args))
     return 0
 
