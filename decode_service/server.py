@@ -117,6 +117,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return types_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context) -> types_pb2.LoadReport:
+        if not self.engine.is_alive:
+            # the router takes this worker out until it answers again
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"engine stopped: {self.engine.error!r}")
         load = self.engine.load()
         return convert.load_report_to_pb(LoadReport(
             kind="decode", address=self.address, model_fingerprint=self.fingerprint,

@@ -113,6 +113,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return types_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context) -> types_pb2.LoadReport:
+        if not self.engine.is_alive:
+            # the router takes this worker out until it answers again
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"engine stopped: {self.engine.error!r}")
         load = self.engine.load()
         counters = {**self.engine.counters, **self.counters}
         return convert.load_report_to_pb(LoadReport(

@@ -80,6 +80,7 @@ class EngineLoop:
             except BaseException as exc:
                 log.exception("engine step failed")
                 self.error = exc
+                self._stopping.set()  # later calls fail at once instead of waiting forever
                 self.on_fatal(exc)
                 break
         # fail whatever is still queued so no caller waits forever
