@@ -10,6 +10,7 @@ import time
 import torch
 
 from common.engine.llm_engine import CacheConfig, EngineConfig
+from common.lifecycle import die_with_parent_if_asked
 from common.engine.scheduler import SchedulerConfig
 
 
@@ -94,6 +95,7 @@ def setup_process(level: str) -> None:
     """Logging, and a short GIL switch interval: the engine thread and the asyncio loop share
     the GIL, and at the default 5 ms every token waits up to that long to reach the network."""
     sys.setswitchinterval(0.0005)
+    die_with_parent_if_asked()
     setup_logging(level)
 
 

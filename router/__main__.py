@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 
+from common.lifecycle import die_with_parent_if_asked
 from router.client import ClientConfig
 from router.dispatch import DispatchConfig
 from router.registry import RegistryConfig
@@ -66,6 +67,7 @@ async def serve(config: RouterConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    die_with_parent_if_asked()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

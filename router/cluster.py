@@ -22,25 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from common.lifecycle import PARENT_PID_ENV
+
 _LISTENING = re.compile(r"^(\S+) listening on (\S+:\d+)\s*$")
 # The directory holding the router package, so children import this checkout's code.
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): get SIGTERM when the parent dies.
-
-    NOTE: the children run in sessions of their own, so without this a cluster whose manager is
-    SIGKILLed (it cannot forward anything) would leave its workers running. The signal comes
-    when the *thread* that started the child exits, so start a cluster from a thread that
-    outlives it (the main thread, normally).
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 class ClusterError(RuntimeError):
@@ -139,13 +125,15 @@ class Cluster:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, env.get("PYTHONPATH"))
                                             if p)
         env["PYTHONUNBUFFERED"] = "1"
+        # the child ends with this process (common/lifecycle.py): no preexec_fn, which would run
+        # Python between fork and exec, where gRPC's threads make the child crash
+        env[PARENT_PID_ENV] = str(os.getpid())
         popen = subprocess.Popen(
             [sys.executable, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, bufsize=1, env=env,
             # NOTE: a session of their own keeps a terminal's Ctrl-C from reaching the children
             # directly; the cluster forwards it in order (router first).
-            start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            start_new_session=True)
         proc = ManagedProcess(kind, name, popen)
         for stream, is_stdout in ((popen.stdout, True), (popen.stderr, False)):
             threading.Thread(target=_pump, args=(stream, proc, is_stdout, self.config.echo_logs),
