@@ -157,6 +157,7 @@ class Dispatcher:
         """
         failures: list[str] = []
         excluded: set[str] = set()
+        all_full = True  # every attempt so far was refused for lack of room
         for attempt in range(1, self.config.max_attempts + 1):
             if self._expired(job):
                 raise DispatchError(Code.DEADLINE_EXCEEDED, "deadline exceeded before the first "
@@ -175,12 +176,15 @@ class Dispatcher:
                 log.warning("[%s] attempt %d on %s -> %s failed: %s", job.request_id, attempt,
                             prefill, decode, failed.message)
                 failures.append(failed.message)
+                all_full = all_full and bool(failed.full)
                 excluded.update(failed.exclude)
                 for address in failed.blame:
                     self.registry.mark_failed(address, failed.message)
                 for address in failed.full:
                     self.registry.note_full(address)
-        raise DispatchError(Code.UNAVAILABLE, "no worker pair could serve the request: "
+        # workers that answered "no room" are up: say so, rather than that nothing is reachable
+        code = Code.RESOURCE_EXHAUSTED if all_full and len(failures) > 1 else Code.UNAVAILABLE
+        raise DispatchError(code, "no worker pair could serve the request: "
                             + "; ".join(failures))
 
     def _no_pair_reason(self) -> str:

@@ -169,6 +169,19 @@ def test_retry_after_decode_refusal_goes_to_the_other_decode_worker():
     asyncio.run(body())
 
 
+def test_every_decode_worker_full_is_resource_exhausted():
+    async def body():
+        async with cluster(num_decode=2) as (stub, router, (prefill,), decoders):
+            for d in decoders:
+                d.knobs.refuse_with = SC.RESOURCE_EXHAUSTED
+            await asyncio.sleep(0.15)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, request("Hi", max_new_tokens=5))
+            assert err.value.code() == SC.RESOURCE_EXHAUSTED  # workers are up, just full
+            assert all(router.registry.get(d.address).healthy for d in decoders)
+    asyncio.run(body())
+
+
 def test_stream_broken_before_first_token_retries_and_marks_decode_down():
     async def body():
         async with cluster(num_decode=2) as (stub, router, _, (broken, ok)):
