@@ -123,7 +123,9 @@ def test_cancelled_stream_frees_both_workers(two_by_two):
 
 
 def test_killed_decode_worker_fails_its_requests_and_others_carry_on():
-    config = ClusterConfig(model="tiny", num_prefill=1, num_decode=2, worker_args=WORKER_ARGS,
+    # room for all six long requests on either decode worker: every failure below is the kill's
+    config = ClusterConfig(model="tiny", num_prefill=1, num_decode=2,
+                           worker_args=("--page-size", "16", "--num-pages", "1024"),
                            router_args=("--poll-interval", "0.2"))
     long = SamplingParams(temperature=0.0, max_new_tokens=2000, ignore_eos=True)
     with Cluster(config) as cluster:
