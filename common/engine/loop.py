@@ -7,6 +7,7 @@ asyncio event loop of a service never runs model work.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 import queue
 import threading
 from concurrent.futures import Future
@@ -15,7 +16,7 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 
-class EngineLoop:
+class EngineLoop(ABC):
     """Subclasses implement :meth:`has_work` and :meth:`step`; :meth:`call` runs a function on
     the engine thread between steps and returns a future of its result."""
 
@@ -46,11 +47,13 @@ class EngineLoop:
         self._commands.put((fn, args, future))
         return future
 
+    @abstractmethod
     def has_work(self) -> bool:
-        raise NotImplementedError
+        """Whether a step now would compute something (else the thread sleeps until a call)."""
 
+    @abstractmethod
     def step(self) -> None:
-        raise NotImplementedError
+        """One unit of engine work, on the engine thread."""
 
     def on_fatal(self, exc: BaseException) -> None:
         """Called once if a step raises: the engine state can no longer be trusted."""
