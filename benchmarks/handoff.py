@@ -46,15 +46,9 @@ def fingerprint_for(config: ModelConfig) -> str:
 
 async def serve(shape: str, num_pages: int) -> None:
     """The decode side: real pools, a weightless model, the real servicer."""
-    import grpc
-
     from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
-    from common.grpc_util import SERVER_OPTIONS
     from common.model.qwen3_5 import model_class_for
-    from common.pb.flashsplit.v1 import decode_pb2_grpc
-    from decode_service.engine import DecodeEngine
-    from decode_service.server import DecodeServicer
-    from decode_service.streams import TokenStreams
+    from decode_service.server import build_decode_service
 
     config = config_for(shape)
     with torch.device("meta"):
@@ -62,17 +56,11 @@ async def serve(shape: str, num_pages: int) -> None:
     engine_config = EngineConfig(cache=CacheConfig(page_size=PAGE_SIZE, num_pages=num_pages,
                                                    num_slots=3))
     layout = LayoutDescriptor.from_model(config, PAGE_SIZE, dtype_for(config))
-    streams = TokenStreams(asyncio.get_running_loop())
-    engine = DecodeEngine(LLMEngine(model, engine_config), streams.post)
-    engine.start()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    port = server.add_insecure_port("127.0.0.1:0")
-    decode_pb2_grpc.add_DecodeServicer_to_server(
-        DecodeServicer(engine, streams, layout, fingerprint_for(config), f"127.0.0.1:{port}",
-                       max_handoff_bytes=1 << 40), server)
-    await server.start()
-    print(f"listening on 127.0.0.1:{port}", flush=True)
-    await server.wait_for_termination()
+    service = build_decode_service(LLMEngine(model, engine_config), layout,
+                                   fingerprint_for(config), max_handoff_bytes=1 << 40)
+    await service.server.start()
+    print(f"listening on {service.address}", flush=True)
+    await service.server.wait_for_termination()
 
 
 def make_payload(config: ModelConfig, prompt_len: int) -> HandoffPayload:

@@ -69,9 +69,9 @@ async def serve_until_signal(server: grpc.aio.Server, health_servicer, service_n
     await server.stop(grace)
 
 
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The status a failed RPC to a peer should be reported with."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code()
-    return grpc.StatusCode.INTERNAL
+async def abort_if_engine_stopped(engine, context) -> None:
+    """End a call with UNAVAILABLE when the worker's engine thread has died: the router takes
+    the worker out until it answers again."""
+    if not engine.is_alive:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine stopped: {engine.error!r}")
 

@@ -6,31 +6,22 @@ import argparse
 import asyncio
 import sys
 
-from common.grpc_util import bind, make_server, serve_until_signal
-from common.pb.flashsplit.v1 import decode_pb2_grpc
+from common.grpc_util import serve_until_signal
 from common.worker_args import add_worker_args, build_engine, setup_process
-from decode_service.engine import DecodeEngine
-from decode_service.server import DecodeServicer
-from decode_service.streams import TokenStreams
+from decode_service.server import build_decode_service
 
 SERVICE_NAME = "flashsplit.v1.Decode"
 
 
 async def serve(args: argparse.Namespace) -> None:
     llm, layout, fingerprint = build_engine(args, prefill=False)
-    streams = TokenStreams(asyncio.get_running_loop())
-    engine = DecodeEngine(llm, streams.post)
-    engine.start()
-    server, health = make_server()
-    address = bind(server, args.host, args.port)
-    decode_pb2_grpc.add_DecodeServicer_to_server(
-        DecodeServicer(engine, streams, layout, fingerprint, address,
-                       max_handoff_bytes=args.max_handoff_bytes), server)
+    service = build_decode_service(llm, layout, fingerprint, host=args.host, port=args.port,
+                                   max_handoff_bytes=args.max_handoff_bytes)
     try:
-        await serve_until_signal(server, health, [SERVICE_NAME],
-                                 f"flashsplit-decode listening on {address}")
+        await serve_until_signal(service.server, service.health, [SERVICE_NAME],
+                                 f"flashsplit-decode listening on {service.address}")
     finally:
-        engine.stop()
+        service.engine.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

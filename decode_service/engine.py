@@ -13,6 +13,7 @@ import torch
 from common.cache.allocator import OutOfResources
 from common.engine.llm_engine import LLMEngine, TokenEvent
 from common.engine.loop import EngineLoop
+from common.engine.scheduler import RequestTooLarge
 from common.handoff.errors import HandoffError
 from common.handoff.layout import to_dtype
 from common.handoff.parts import HeaderPart
@@ -74,13 +75,11 @@ class DecodeEngine(EngineLoop):
         """Hold room for a handoff (thread-safe) or raise RESOURCE_EXHAUSTED."""
         e = self.engine
         self._check_draft_context(header)
-        total = (header.prompt_len + header.sampling.max_new_tokens
-                 + e.scheduler.config.lookahead_tokens)
-        pages = e.kv_pool.pages_for(total)
-        if pages > e.kv_pool.allocator.num_usable:
-            raise HandoffError("RESOURCE_EXHAUSTED",
-                               f"{total} tokens need {pages} KV pages; this worker has "
-                               f"{e.kv_pool.allocator.num_usable}")
+        try:
+            pages = e.scheduler.pages_for_budget(header.prompt_len,
+                                                 header.sampling.max_new_tokens)
+        except RequestTooLarge as exc:
+            raise HandoffError("RESOURCE_EXHAUSTED", str(exc)) from None
         try:
             page_ids = e.kv_pool.allocator.allocate(pages)
         except OutOfResources as exc:

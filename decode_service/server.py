@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import grpc
 
 from common import convert
-from common.engine.llm_engine import TokenEvent
+from common.engine.llm_engine import LLMEngine, TokenEvent
+from common.grpc_util import abort_if_engine_stopped, bind, make_server
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.parts import HeaderPart
@@ -117,10 +119,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return types_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context) -> types_pb2.LoadReport:
-        if not self.engine.is_alive:
-            # the router takes this worker out until it answers again
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"engine stopped: {self.engine.error!r}")
+        await abort_if_engine_stopped(self.engine, context)
         load = self.engine.load()
         return convert.load_report_to_pb(LoadReport(
             kind="decode", address=self.address, model_fingerprint=self.fingerprint,
@@ -131,3 +130,33 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # on a worker with a draft; mean acceptance = committed / steps
             counters={**{k: v for k, v in load.items() if k.startswith("spec_")},
                       **self.engine.counters, **self.counters}))
+
+
+@dataclass
+class DecodeService:
+    """A decode worker's parts, wired and bound but not started (``server.start()`` does)."""
+
+    server: grpc.aio.Server
+    health: object
+    engine: DecodeEngine
+    address: str
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+        self.engine.stop()
+
+
+def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: str, *,
+                         host: str = "127.0.0.1", port: int = 0,
+                         max_handoff_bytes: int = 8 << 30) -> DecodeService:
+    """Engine thread (started), token streams and servicer on a bound server. Call from the
+    event loop that will serve it: the streams post engine events to that loop."""
+    streams = TokenStreams(asyncio.get_running_loop())
+    engine = DecodeEngine(llm, streams.post)
+    engine.start()
+    server, health = make_server()
+    address = bind(server, host, port)
+    decode_pb2_grpc.add_DecodeServicer_to_server(
+        DecodeServicer(engine, streams, layout, fingerprint, address,
+                       max_handoff_bytes=max_handoff_bytes), server)
+    return DecodeService(server, health, engine, address)

@@ -13,6 +13,7 @@ import time
 import grpc
 
 from common import convert
+from common.grpc_util import abort_if_engine_stopped
 from common.load import LoadReport
 from common.sampling import stop_reason
 from common.pb.flashsplit.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
@@ -113,10 +114,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return types_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context) -> types_pb2.LoadReport:
-        if not self.engine.is_alive:
-            # the router takes this worker out until it answers again
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"engine stopped: {self.engine.error!r}")
+        await abort_if_engine_stopped(self.engine, context)
         load = self.engine.load()
         counters = {**self.engine.counters, **self.counters}
         return convert.load_report_to_pb(LoadReport(

@@ -105,16 +105,12 @@ def speculative_choice(args: argparse.Namespace) -> bool | None:
 def run_local(args: argparse.Namespace, prompts: list[list[int]],
               params: SamplingParams) -> tuple[list, float]:
     """Load the model (and draft), run ``prompts`` to completion; return requests, seconds."""
-    import torch
-
     from common.engine.llm_engine import EngineConfig, LLMEngine
     from common.model.dflash import load_draft
     from common.model.load import eos_token_ids_for, load_model
+    from common.worker_args import dtype_from_args, kernels_from_args
 
-    from common.worker_args import kernels_from_args
-
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = load_model(args.model, dtype=dtype, device=args.device,
+    model = load_model(args.model, dtype=dtype_from_args(args), device=args.device,
                        kernels=kernels_from_args(args))
     draft = load_draft(args.draft, model) if args.draft else None
     if speculative_choice(args) and draft is None:

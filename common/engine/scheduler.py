@@ -60,19 +60,24 @@ class Scheduler:
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def pages_for_budget(self, prompt_len: int, max_new_tokens: int) -> int:
+        """KV pages a request of this size is given at admission; RequestTooLarge when it
+        could never be admitted."""
+        tokens = (prompt_len + max_new_tokens + self.config.lookahead_tokens
+                  if self.config.reserve_output_tokens else prompt_len)
+        pages = self.kv_pool.pages_for(tokens)
+        if pages > self.kv_pool.allocator.num_usable:
+            raise RequestTooLarge(
+                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} needs "
+                f"{pages} KV pages; the pool has {self.kv_pool.allocator.num_usable}")
+        return pages
+
     def pages_needed(self, request: Request) -> int:
-        tokens = (request.max_total_tokens + self.config.lookahead_tokens
-                  if self.config.reserve_output_tokens else len(request.prompt_ids))
-        return self.kv_pool.pages_for(tokens)
+        return self.pages_for_budget(len(request.prompt_ids), request.params.max_new_tokens)
 
     def check_fits(self, request: Request) -> None:
         """Raise :class:`RequestTooLarge` if the request could never be admitted."""
-        pages = self.pages_needed(request)
-        if pages > self.kv_pool.allocator.num_usable:
-            raise RequestTooLarge(
-                f"prompt of {len(request.prompt_ids)} tokens + max_new_tokens "
-                f"{request.params.max_new_tokens} needs {pages} KV pages; the pool has "
-                f"{self.kv_pool.allocator.num_usable}")
+        self.pages_needed(request)
 
     def add(self, request: Request) -> None:
         self.check_fits(request)

@@ -18,10 +18,8 @@ from common.handoff.stream import split_payload
 from common.model.load import load_model, weights_identity
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from common.sampling import SamplingParams
-from decode_service.engine import DecodeEngine
 from prefill_service.handoff_sender import send_handoff
-from decode_service.server import DecodeServicer
-from decode_service.streams import TokenStreams
+from decode_service.server import build_decode_service
 
 PAGE = 4
 NUM_PAGES = 24  # 23 usable
@@ -42,23 +40,16 @@ class DecodeHarness:
         config = EngineConfig(cache=CacheConfig(page_size=PAGE, num_pages=NUM_PAGES, num_slots=5))
         self.layout = LayoutDescriptor.from_model(self.model.config, PAGE, self.model.dtype)
         self.fingerprint = model_fingerprint(self.model.config, weights_identity("tiny"))
-        self.streams = TokenStreams(asyncio.get_running_loop())
-        self.engine = DecodeEngine(LLMEngine(self.model, config), self.streams.post)
-        self.engine.start()
-        self.server = grpc.aio.server()
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        decode_pb2_grpc.add_DecodeServicer_to_server(
-            DecodeServicer(self.engine, self.streams, self.layout, self.fingerprint,
-                           f"127.0.0.1:{port}", max_handoff_bytes=1 << 30), self.server)
-        await self.server.start()
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.service = build_decode_service(LLMEngine(self.model, config), self.layout,
+                                            self.fingerprint, max_handoff_bytes=1 << 30)
+        await self.service.server.start()
+        self.channel = grpc.aio.insecure_channel(self.service.address)
         self.stub = decode_pb2_grpc.DecodeStub(self.channel)
         return self
 
     async def __aexit__(self, *exc):
         await self.channel.close()
-        await self.server.stop(0)
-        self.engine.stop()
+        await self.service.stop()
 
     async def free(self) -> tuple[int, int]:
         load = await self.stub.GetLoad(types_pb2.LoadRequest(), timeout=5)

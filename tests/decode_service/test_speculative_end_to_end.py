@@ -23,9 +23,7 @@ from common.model.dflash import load_draft
 from common.model.load import load_model, weights_identity
 from common.pb.flashsplit.v1 import decode_pb2_grpc
 from common.sampling import SamplingParams
-from decode_service.engine import DecodeEngine
-from decode_service.server import DecodeServicer
-from decode_service.streams import TokenStreams
+from decode_service.server import build_decode_service
 from router.remote import generate, request_to_pb
 from tests.common.model.checkpoints import make_checkpoint
 from tests.common.model.draft_checkpoints import make_draft_checkpoint
@@ -79,17 +77,11 @@ async def serve_decode(model_path: str, draft_path: str):
     draft = load_draft(draft_path, model)
     config = EngineConfig(cache=CacheConfig(page_size=PAGE, num_pages=256, num_slots=16))
     llm = LLMEngine(model, config, draft=draft)
-    streams = TokenStreams(asyncio.get_running_loop())
-    engine = DecodeEngine(llm, streams.post)
-    engine.start()
-    server = grpc.aio.server()
-    port = server.add_insecure_port("127.0.0.1:0")
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(
-        engine, streams, LayoutDescriptor.from_model(model.config, PAGE, model.dtype),
-        model_fingerprint(model.config, weights_identity(model_path)), f"127.0.0.1:{port}",
-        max_handoff_bytes=1 << 30), server)
-    await server.start()
-    return server, engine, llm, f"127.0.0.1:{port}"
+    service = build_decode_service(
+        llm, LayoutDescriptor.from_model(model.config, PAGE, model.dtype),
+        model_fingerprint(model.config, weights_identity(model_path)), max_handoff_bytes=1 << 30)
+    await service.server.start()
+    return service, llm
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
@@ -103,7 +95,8 @@ def test_speculative_greedy_equals_plain_greedy_through_the_router(tmp_path, kin
     expected = {tuple(p): r.output_ids for p, r in zip(PROMPTS, plain.generate(PROMPTS, GREEDY))}
 
     async def scenario():
-        server, engine, llm, decode_address = await serve_decode(target_path, draft_path)
+        service, llm = await serve_decode(target_path, draft_path)
+        decode_address = service.address
         oracle = Oracle(llm.speculator, expected, target.config.vocab_size)
         llm.speculator.propose = oracle
         procs = []
@@ -144,7 +137,6 @@ def test_speculative_greedy_equals_plain_greedy_through_the_router(tmp_path, kin
             for proc in procs:
                 proc.terminate()
                 proc.wait(10)
-            await server.stop(0)
-            engine.stop()
+            await service.stop()
 
     asyncio.run(scenario())

@@ -11,14 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from benchmarks.decode import build
 from benchmarks.shapes import QWEN3_5_4B, QWEN3_5_4B_DRAFT
-from common.config import ModelConfig
 from common.engine.llm_engine import EngineConfig, LLMEngine
-from common.model.builtin import fill_deterministic, fill_draft_deterministic
-from common.model.dflash import DFlashDraftModel, load_draft
-from common.model.dflash_config import DFlashConfig
+from common.model.dflash import load_draft
 from common.model.load import load_config, load_model
-from common.model.qwen3_5 import model_class_for
 from common.ops.gpu_backends import select_kernels
 from common.sampling import SamplingParams
 from router.cluster import Cluster, ClusterConfig
@@ -41,13 +38,7 @@ def save_checkpoint(module: torch.nn.Module, config: dict, path) -> str:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-ckpt")
-    target_cfg = ModelConfig.from_dict(dict(QWEN3_5_4B))
-    with torch.device("cuda"):
-        target = model_class_for(target_cfg)(target_cfg)
-        draft = DFlashDraftModel(DFlashConfig.from_dict(dict(QWEN3_5_4B_DRAFT),
-                                                        target=target_cfg), dtype=target.dtype)
-    fill_deterministic(target.named_parameters(), seed=1, device="cuda")
-    fill_draft_deterministic(draft.named_parameters(), seed=2, device="cuda")
+    target, draft = build("gpu", with_draft=True)
     target_path = save_checkpoint(target, dict(QWEN3_5_4B), root / "target")
     draft_path = save_checkpoint(draft, dict(QWEN3_5_4B_DRAFT), root / "draft")
     del target, draft
