@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -65,9 +66,10 @@ class ForwardBatch:
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
 
-    @property
+    @cached_property
     def cu_seqlens(self) -> torch.Tensor:
-        """[N+1] int64 on the CPU: offsets of each request's new tokens."""
+        """[N+1] int64 on the CPU: offsets of each request's new tokens (built once: every GDN
+        layer of the forward asks for it)."""
         out = torch.zeros(self.num_requests + 1, dtype=torch.int64)
         out[1:] = torch.cumsum(torch.tensor(self.extend_lens, dtype=torch.int64), 0)
         return out
