@@ -14,7 +14,7 @@ from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.manifest import FieldSpec
 from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, TrailerPart
-from common.load import LoadReport
+from common.load_report import LoadReport
 from common.pb.flashsplit.v1 import decode_pb2, types_pb2
 from common.sampling import SamplingParams
 

@@ -15,7 +15,7 @@ from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.parts import HeaderPart
 from common.handoff.stream import HandoffAssembler
-from common.load import LoadReport
+from common.load_report import LoadReport
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from decode_service.engine import DecodeEngine
 from decode_service.streams import TokenStreams

@@ -14,7 +14,7 @@ import grpc
 
 from common import convert
 from common.grpc_util import abort_if_engine_stopped
-from common.load import LoadReport
+from common.load_report import LoadReport
 from common.sampling import stop_reason
 from common.pb.flashsplit.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
 from prefill_service.engine import PrefillAborted, PrefillEngine, PrefillJob

@@ -16,7 +16,7 @@ import grpc
 
 from common.convert import finish_reason_from_pb, load_report_from_pb, sampling_to_pb
 from common.grpc_util import CHANNEL_OPTIONS
-from common.load import LoadReport
+from common.load_report import LoadReport
 from common.pb.flashsplit.v1 import (decode_pb2, decode_pb2_grpc, prefill_pb2,
                                      prefill_pb2_grpc, types_pb2)
 from common.sampling import SamplingParams

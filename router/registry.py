@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from common.load import WORKER_KINDS, LoadReport
+from common.load_report import WORKER_KINDS, LoadReport
 from router.policy import WorkerView
 
 log = logging.getLogger(__name__)

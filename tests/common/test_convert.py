@@ -14,7 +14,7 @@ from common.handoff.manifest import FieldSpec
 from common.handoff.parts import HeaderPart
 from common.handoff.payload import HandoffPayload
 from common.handoff.stream import assemble_payload, split_payload
-from common.load import LoadReport
+from common.load_report import LoadReport
 from common.pb.flashsplit.v1 import decode_pb2, types_pb2
 from common.sampling import SamplingParams
 

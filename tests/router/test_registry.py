@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from common.load import LoadReport
+from common.load_report import LoadReport
 from router.registry import RegistryConfig, WorkerRegistry, backoff_delay
 
 
