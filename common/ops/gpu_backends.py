@@ -10,7 +10,9 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
 - ``gpu-fla``: as ``gpu`` but with fla's chunked prefill, for machines whose FlashInfer lacks
   the CuTe-DSL libraries its GDN kernels need.
 
-Ops with no GPU backend (norms, rope, gates, MLP, MoE) are plain torch, which runs on the GPU.
+Both GPU sets also use our Triton RMSNorm / gated RMSNorm, GDN gates and RoPE: one launch per
+call where the reference's elementwise torch code launches 6-10 kernels. Ops with no GPU backend
+(l2norm, rope_inv_freq, MLP, MoE) are plain torch, which runs on the GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
         "causal_conv1d_prefill": "triton",
         "causal_conv1d_update": "triton",
         "paged_attention": "flashinfer",
+        "rms_norm": "triton",
+        "gated_rms_norm": "triton",
+        "gdn_gating": "triton",
+        "apply_rope": "triton",
     },
     "gpu-fla": {
         "chunk_gated_delta_rule": "fla",
@@ -34,6 +40,10 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
         "causal_conv1d_prefill": "triton",
         "causal_conv1d_update": "triton",
         "paged_attention": "flashinfer",
+        "rms_norm": "triton",
+        "gated_rms_norm": "triton",
+        "gdn_gating": "triton",
+        "apply_rope": "triton",
     },
 }
 

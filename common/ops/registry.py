@@ -45,6 +45,10 @@ GPU_OPS: dict[str, dict[str, str]] = {
     "causal_conv1d_prefill": {"triton": "common.ops.conv1d.triton"},
     "causal_conv1d_update": {"triton": "common.ops.conv1d.triton"},
     "paged_attention": {"flashinfer": "common.ops.attention.flashinfer"},
+    "rms_norm": {"triton": "common.ops.norm.triton"},
+    "gated_rms_norm": {"triton": "common.ops.norm.triton"},
+    "gdn_gating": {"triton": "common.ops.gdn.gating_triton"},
+    "apply_rope": {"triton": "common.ops.rope.triton"},
 }
 
 Factory = Callable[[], Callable[..., Any]]

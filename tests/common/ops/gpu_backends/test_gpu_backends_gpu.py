@@ -39,7 +39,9 @@ def test_backend_sets_name_registered_backends():
             assert backend in GPU_OPS[op]
             assert backend in default_registry().backends(op)
     chosen = gpu_backends.chosen_backends("gpu")
-    assert chosen["paged_attention"] == "flashinfer" and chosen["rms_norm"] == "reference"
+    assert chosen["paged_attention"] == "flashinfer" and chosen["l2norm"] == "reference"
+    for op in ("rms_norm", "gated_rms_norm", "gdn_gating", "apply_rope"):
+        assert chosen[op] == "triton" and gpu_backends.chosen_backends("gpu-fla")[op] == "triton"
     assert gpu_backends.describe("gpu").startswith("gpu: ")
     with pytest.raises(ValueError, match="known: gpu, gpu-fla, reference"):
         gpu_backends.backends_for("fast")
