@@ -25,7 +25,6 @@ from common.model.kernels import Kernels
 from common.model.layers import DenseMLP, Linear, _param
 from common.model.loader import WeightLoadError, _checkpoint_files, _iter_tensors
 from common.model.qwen3_5 import HybridForCausalLM
-from common.ops.attention.draft_reference import draft_block_attention
 from common.ops.rope.reference import rope_inv_freq
 
 
@@ -132,7 +131,7 @@ class DraftAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim), kn)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         q, k = kn.rope(q=q, k=k, positions=positions, inv_freq=inv_freq)
-        o = draft_block_attention(
+        o = kn.draft_attention(
             q=q.view(num_blocks, b, self.heads, self.head_dim),
             block_k=k.view(num_blocks, b, self.kv_heads, self.head_dim),
             block_v=v.view(num_blocks, b, self.kv_heads, self.head_dim),

@@ -18,6 +18,7 @@ MODEL_OPS = {
     "gdn_recurrent": "recurrent_gated_delta_rule",
     "rope": "apply_rope",
     "paged_attention": "paged_attention",
+    "draft_attention": "draft_block_attention",
     "silu_glu_mlp": "silu_glu_mlp",
     "sparse_moe": "sparse_moe",
 }
@@ -36,6 +37,7 @@ class Kernels:
     gdn_recurrent: Callable
     rope: Callable
     paged_attention: Callable
+    draft_attention: Callable
     silu_glu_mlp: Callable
     sparse_moe: Callable
     backends: tuple[tuple[str, str], ...] = ()

@@ -6,7 +6,8 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
 - ``gpu``: the fastest backends measured on H200 (docs/kernels.md): FlashInfer chunked GDN
   prefill (128-dim heads; other head dims and fp32 go to fla), fla recurrent step (our Triton
   kernel when per-token states are asked for), our Triton conv1d, FlashInfer paged attention
-  (fp16/bf16 with head dim 64/128/256; anything else goes to the reference).
+  (fp16/bf16 with head dim 64/128/256; anything else goes to the reference), our Triton
+  DFLASH draft block attention.
 - ``gpu-fla``: as ``gpu`` but with fla's chunked prefill, for machines whose FlashInfer lacks
   the CuTe-DSL libraries its GDN kernels need.
 
@@ -29,6 +30,7 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
         "causal_conv1d_prefill": "triton",
         "causal_conv1d_update": "triton",
         "paged_attention": "flashinfer",
+        "draft_block_attention": "triton",
         "rms_norm": "triton",
         "gated_rms_norm": "triton",
         "gdn_gating": "triton",
@@ -40,6 +42,7 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
         "causal_conv1d_prefill": "triton",
         "causal_conv1d_update": "triton",
         "paged_attention": "flashinfer",
+        "draft_block_attention": "triton",
         "rms_norm": "triton",
         "gated_rms_norm": "triton",
         "gdn_gating": "triton",

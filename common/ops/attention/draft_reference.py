@@ -9,7 +9,34 @@ import torch
 
 from common.ops.attention.reference import as_lengths
 
-__all__ = ["draft_block_attention"]
+__all__ = ["check_shapes", "draft_block_attention"]
+
+
+def check_shapes(*, q, block_k, block_v, k_cache, v_cache, page_table,
+                 sliding_window) -> tuple[int, int, int, int, int]:
+    """The shape rules of :func:`draft_block_attention` (no tensor values are read).
+
+    Returns (N, B, H, D, KVH); ValueError naming the offending argument otherwise.
+    """
+    if q.dim() != 4:
+        raise ValueError(f"q must be [N, B, H, D], got {tuple(q.shape)}")
+    n, b, h, d = q.shape
+    if block_k.dim() != 4 or block_k.shape[:2] != (n, b) or block_k.shape[3] != d \
+            or block_v.shape != block_k.shape:
+        raise ValueError(f"block_k and block_v must both be [{n}, {b}, KVH, {d}], got "
+                         f"{tuple(block_k.shape)} and {tuple(block_v.shape)}")
+    kvh = block_k.shape[2]
+    if h % kvh:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (kvh, d):
+        raise ValueError(f"k_cache and v_cache must both be [pages, page_size, {kvh}, {d}], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if page_table.dim() != 2 or page_table.shape[0] != n or page_table.is_floating_point():
+        raise ValueError(f"page_table must be an integer [{n}, max_pages] tensor, got "
+                         f"{tuple(page_table.shape)}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    return n, b, h, d, kvh
 
 
 def draft_block_attention(
@@ -50,24 +77,9 @@ def draft_block_attention(
     Returns:
         o: [N, B, H, D] in q.dtype; scores, softmax and sum in fp32 (fp64 for fp64 q).
     """
-    if q.dim() != 4:
-        raise ValueError(f"q must be [N, B, H, D], got {tuple(q.shape)}")
-    n, b, h, d = q.shape
-    if block_k.dim() != 4 or block_k.shape[:2] != (n, b) or block_k.shape[3] != d \
-            or block_v.shape != block_k.shape:
-        raise ValueError(f"block_k and block_v must both be [{n}, {b}, KVH, {d}], got "
-                         f"{tuple(block_k.shape)} and {tuple(block_v.shape)}")
-    kvh = block_k.shape[2]
-    if h % kvh:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (kvh, d):
-        raise ValueError(f"k_cache and v_cache must both be [pages, page_size, {kvh}, {d}], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if page_table.dim() != 2 or page_table.shape[0] != n or page_table.is_floating_point():
-        raise ValueError(f"page_table must be an integer [{n}, max_pages] tensor, got "
-                         f"{tuple(page_table.shape)}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    n, b, h, d, kvh = check_shapes(q=q, block_k=block_k, block_v=block_v, k_cache=k_cache,
+                                   v_cache=v_cache, page_table=page_table,
+                                   sliding_window=sliding_window)
     ctx = as_lengths("context_lens", context_lens, n)
     start = as_lengths("start_positions", start_positions, n)
     num_pages, page_size = k_cache.shape[:2]
