@@ -35,9 +35,14 @@ class KVPool:
         kv = self.kv[self._index[layer_id]]
         return kv[:, 0], kv[:, 1]
 
+    def layer_kv(self, layer_id: int) -> torch.Tensor:
+        """All K/V of one model layer, a ``[num_pages, 2, page_size, kv_heads, head_dim]`` view
+        (the ``kv`` that the ``store_paged_kv`` op writes)."""
+        return self.kv[self._index[layer_id]]
+
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V ``[T, kv_heads, head_dim]`` at flat slots ``loc`` ``[T]``."""
-        kv = self.kv[self._index[layer_id]]
+        kv = self.layer_kv(layer_id)
         page, offset = loc // self.page_size, loc % self.page_size
         kv[page, 0, offset] = k.to(kv.dtype)
         kv[page, 1, offset] = v.to(kv.dtype)

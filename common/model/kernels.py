@@ -10,6 +10,7 @@ from common.ops.registry import OpRegistry, default_registry
 # Kernels field -> registry op name, for every op the model calls.
 MODEL_OPS = {
     "rms_norm": "rms_norm",
+    "add_rms_norm": "add_rms_norm",
     "gated_rms_norm": "gated_rms_norm",
     "conv1d_prefill": "causal_conv1d_prefill",
     "conv1d_update": "causal_conv1d_update",
@@ -18,8 +19,10 @@ MODEL_OPS = {
     "gdn_recurrent": "recurrent_gated_delta_rule",
     "rope": "apply_rope",
     "paged_attention": "paged_attention",
+    "store_paged_kv": "store_paged_kv",
     "draft_attention": "draft_block_attention",
     "silu_glu_mlp": "silu_glu_mlp",
+    "silu_and_mul": "silu_and_mul",
     "sparse_moe": "sparse_moe",
 }
 
@@ -29,6 +32,7 @@ class Kernels:
     """Resolved kernel callables; the model never looks a backend up at call time."""
 
     rms_norm: Callable
+    add_rms_norm: Callable
     gated_rms_norm: Callable
     conv1d_prefill: Callable
     conv1d_update: Callable
@@ -37,8 +41,10 @@ class Kernels:
     gdn_recurrent: Callable
     rope: Callable
     paged_attention: Callable
+    store_paged_kv: Callable
     draft_attention: Callable
     silu_glu_mlp: Callable
+    silu_and_mul: Callable
     sparse_moe: Callable
     backends: tuple[tuple[str, str], ...] = ()
 

@@ -12,7 +12,8 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
   the CuTe-DSL libraries its GDN kernels need.
 
 Both GPU sets also use our Triton RMSNorm / gated RMSNorm, GDN gates and RoPE: one launch per
-call where the reference's elementwise torch code launches 6-10 kernels. Ops with no GPU backend
+call where the reference's elementwise torch code launches 6-10 kernels; likewise the fused
+residual add + RMSNorm, the SwiGLU activation and the paged K/V store. Ops with no GPU backend
 (l2norm, rope_inv_freq, MLP, MoE) are plain torch, which runs on the GPU.
 """
 
@@ -35,6 +36,9 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
         "gated_rms_norm": "triton",
         "gdn_gating": "triton",
         "apply_rope": "triton",
+        "add_rms_norm": "triton",
+        "silu_and_mul": "triton",
+        "store_paged_kv": "triton",
     },
     "gpu-fla": {
         "chunk_gated_delta_rule": "fla",
@@ -47,6 +51,9 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
         "gated_rms_norm": "triton",
         "gdn_gating": "triton",
         "apply_rope": "triton",
+        "add_rms_norm": "triton",
+        "silu_and_mul": "triton",
+        "store_paged_kv": "triton",
     },
 }
 

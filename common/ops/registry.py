@@ -22,13 +22,16 @@ REFERENCE_OPS: dict[str, str] = {
     "causal_conv1d_prefill": "common.ops.conv1d.reference",
     "causal_conv1d_update": "common.ops.conv1d.reference",
     "paged_attention": "common.ops.attention.reference",
+    "store_paged_kv": "common.ops.attention.kv_store_reference",
     "draft_block_attention": "common.ops.attention.draft_reference",
     "rms_norm": "common.ops.norm.reference",
+    "add_rms_norm": "common.ops.norm.reference",
     "gated_rms_norm": "common.ops.norm.reference",
     "l2norm": "common.ops.norm.reference",
     "rope_inv_freq": "common.ops.rope.reference",
     "apply_rope": "common.ops.rope.reference",
     "silu_glu_mlp": "common.ops.mlp.reference",
+    "silu_and_mul": "common.ops.mlp.reference",
     "sparse_moe": "common.ops.moe.reference",
 }
 
@@ -48,9 +51,12 @@ GPU_OPS: dict[str, dict[str, str]] = {
     "paged_attention": {"flashinfer": "common.ops.attention.flashinfer"},
     "draft_block_attention": {"triton": "common.ops.attention.draft_triton"},
     "rms_norm": {"triton": "common.ops.norm.triton"},
+    "add_rms_norm": {"triton": "common.ops.norm.triton"},
     "gated_rms_norm": {"triton": "common.ops.norm.triton"},
     "gdn_gating": {"triton": "common.ops.gdn.gating_triton"},
     "apply_rope": {"triton": "common.ops.rope.triton"},
+    "silu_and_mul": {"triton": "common.ops.mlp.triton"},
+    "store_paged_kv": {"triton": "common.ops.attention.kv_store_triton"},
 }
 
 Factory = Callable[[], Callable[..., Any]]

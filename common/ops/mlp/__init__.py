@@ -1,5 +1,5 @@
-"""SwiGLU MLP."""
+"""SwiGLU MLP and its activation."""
 
-from common.ops.mlp.reference import silu_glu_mlp
+from common.ops.mlp.reference import silu_and_mul, silu_glu_mlp
 
-__all__ = ["silu_glu_mlp"]
+__all__ = ["silu_glu_mlp", "silu_and_mul"]

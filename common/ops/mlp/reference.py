@@ -1,11 +1,11 @@
-"""Plain-torch SwiGLU MLP (dense layers and the MoE shared expert)."""
+"""Plain-torch SwiGLU MLP (dense layers and the MoE shared expert) and its activation."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["silu_glu_mlp"]
+__all__ = ["silu_glu_mlp", "silu_and_mul"]
 
 
 def silu_glu_mlp(
@@ -32,3 +32,21 @@ def silu_glu_mlp(
         raise ValueError(f"down_proj must be [{hidden}, {gate_proj.shape[0]}], got {tuple(down_proj.shape)}")
     act = F.silu(F.linear(x, gate_proj.to(x.dtype))) * F.linear(x, up_proj.to(x.dtype))
     return F.linear(act, down_proj.to(x.dtype))
+
+
+def silu_and_mul(*, x: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU activation of a fused gate/up projection: ``silu(x[..., :I]) * x[..., I:]``.
+
+    Torch's roundings for x.dtype: silu is computed in fp32 and rounded to x.dtype, then the
+    product of the two x.dtype halves is rounded (the activation of :func:`silu_glu_mlp`).
+
+    Args:
+        x: [..., 2I], the gate half first.
+
+    Returns:
+        [..., I] in x.dtype (a new tensor).
+    """
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [..., 2I] (gate then up), got {tuple(x.shape)}")
+    i = x.shape[-1] // 2
+    return F.silu(x[..., :i]) * x[..., i:]

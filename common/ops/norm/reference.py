@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms_norm", "gated_rms_norm", "l2norm"]
+__all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm", "l2norm"]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -39,6 +39,35 @@ def rms_norm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered
     w = weight.to(dt)
     h = h * (1.0 + w) if zero_centered else h * w
     return h.to(x.dtype)
+
+
+def add_rms_norm(*, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add followed by :func:`rms_norm` of the sum (a decoder layer's pre-norm).
+
+    ``summed = x + residual`` is torch's add of two x.dtype tensors (computed in fp32 for bf16/fp16
+    and rounded once to x.dtype); ``normed`` is ``rms_norm`` of that rounded sum, so the pair is
+    exactly what the unfused model computes.
+
+    Args:
+        x: [..., H].
+        residual: x's shape and dtype.
+        weight: [H].
+        eps: added to the mean square.
+        zero_centered: the checkpoint stores ``w`` for a scale of ``1 + w``.
+
+    Returns:
+        (normed, summed), both new [..., H] tensors in x.dtype.
+    """
+    _check_residual(x, residual)
+    summed = x + residual
+    return rms_norm(x=summed, weight=weight, eps=eps, zero_centered=zero_centered), summed
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must match x ({tuple(x.shape)}, {x.dtype}), "
+                         f"got {tuple(residual.shape)}, {residual.dtype}")
 
 
 def gated_rms_norm(*, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The kernels round where the reference rounds, with torch's rsqrt / exp, so the only difference is
 the order of the sum of squares (a last-bit difference of the fp32 norm). rms_norm rounds once:
-fp32 within 1e-5 relative, bf16 within one bf16 ulp of the value. gated_rms_norm rounds the
+fp32 within 1e-5 relative, bf16 within one bf16 ulp of the value; add_rms_norm's sum is one
+rounding of an add (bit-exact) and its norm is checked as rms_norm's. gated_rms_norm rounds the
 normalised value and the weight product before its last rounding, so a last-bit difference can
 flip an intermediate rounding and show as up to ~3 ulps in a rare element: bf16 is checked as
 within 4 ulps everywhere and within one ulp for all but 1e-4 of the elements.
@@ -158,3 +159,67 @@ def test_norms_replay_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(y, tr.rms_norm(x=x, weight=w, eps=EPS))
     assert torch.equal(yg, tr.gated_rms_norm(x=x, gate=gate, weight=w, eps=EPS))
+
+
+ADD_SIZES = [(1, 64), (7, 129), (301, 2560), (3, 10000)]  # 10000: the two-sweep path
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,h", ADD_SIZES)
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_add_rms_norm_matches_reference(record_metric, dtype, rows, h, zero_centered):
+    """x a row-strided view (the residual stream sliced from a wider buffer); the sum is one
+    rounding of an add, so it must be bit-exact; the norm within the rms_norm tolerance."""
+    tr = _triton()
+    gen = torch.Generator(device="cuda").manual_seed(rows * h + 1)
+    x = (_rand(gen, rows, h + 40, dtype=dtype) * 3)[:, 3:h + 3]
+    residual = _rand(gen, rows, h, dtype=dtype) * 2
+    w = _rand(gen, h, dtype=dtype)
+    before = (x.clone(), residual.clone())
+    normed, summed = tr.add_rms_norm(x=x, residual=residual, weight=w, eps=EPS, zero_centered=zero_centered)
+    want_normed, want_summed = ref.add_rms_norm(x=x, residual=residual, weight=w, eps=EPS,
+                                                zero_centered=zero_centered)
+    assert summed.is_contiguous() and summed.dtype == dtype
+    record_metric("summed.max_abs", (summed.float() - want_summed.float()).abs().max().item())
+    assert torch.equal(summed, want_summed)
+    _close(normed, want_normed, record_metric, "normed")
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+
+
+def test_add_rms_norm_fallbacks_and_errors():
+    tr = _triton()
+    x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    for got, want in zip(tr.add_rms_norm(x=x, residual=r, weight=w, eps=EPS),
+                         ref.add_rms_norm(x=x, residual=r, weight=w, eps=EPS)):
+        assert torch.equal(got, want)
+    xd, rd, wd = x.double().cuda(), r.double().cuda(), w.double().cuda()
+    for got, want in zip(tr.add_rms_norm(x=xd, residual=rd, weight=wd, eps=EPS),
+                         ref.add_rms_norm(x=xd, residual=rd, weight=wd, eps=EPS)):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="residual must match"):
+        tr.add_rms_norm(x=x.cuda(), residual=r[:2].cuda(), weight=w.cuda(), eps=EPS)
+    with pytest.raises(ValueError, match="residual must match"):
+        tr.add_rms_norm(x=x.cuda(), residual=r.cuda().bfloat16(), weight=w.cuda(), eps=EPS)
+    with pytest.raises(ValueError, match="weight must be"):
+        tr.add_rms_norm(x=x.cuda(), residual=r.cuda(), weight=torch.randn(9, device="cuda"), eps=EPS)
+
+
+def test_add_rms_norm_replays_in_a_cuda_graph():
+    """No host synchronisation: the fused add + norm captures, and a replay sees new inputs."""
+    tr = _triton()
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    x = _rand(gen, 7, 2600, dtype=torch.bfloat16)[:, :2560]
+    residual = _rand(gen, 7, 2560, dtype=torch.bfloat16)
+    w = _rand(gen, 2560, dtype=torch.bfloat16)
+    tr.add_rms_norm(x=x, residual=residual, weight=w, eps=EPS)  # compile before capturing
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed, summed = tr.add_rms_norm(x=x, residual=residual, weight=w, eps=EPS)
+    x.copy_(_rand(gen, 7, 2560, dtype=torch.bfloat16))
+    residual.copy_(_rand(gen, 7, 2560, dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    want_normed, want_summed = tr.add_rms_norm(x=x, residual=residual, weight=w, eps=EPS)
+    assert torch.equal(summed, want_summed) and torch.equal(normed, want_normed)
+    assert torch.equal(summed, x + residual)

@@ -6,7 +6,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 from transformers.models.qwen3_next.modeling_qwen3_next import l2norm as hf_l2norm
 
-from common.ops.norm.reference import gated_rms_norm, l2norm, rms_norm
+from common.ops.norm.reference import add_rms_norm, gated_rms_norm, l2norm, rms_norm
 
 
 def _max_rel(a, b):
@@ -69,3 +69,29 @@ def test_l2norm_matches_transformers():
     out = l2norm(x=x.bfloat16(), eps=1e-3)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), hf_l2norm(x.bfloat16().float(), eps=1e-3), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_add_rms_norm_is_add_then_rms_norm(dtype, zero_centered):
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(7, 45, generator=gen) * 3).to(dtype)[:, 2:41]  # row-strided view
+    residual = torch.randn(7, 39, generator=gen).to(dtype)
+    w = (torch.randn(39, generator=gen) * 0.2).to(dtype)
+    normed, summed = add_rms_norm(x=x, residual=residual, weight=w, eps=1e-6, zero_centered=zero_centered)
+    assert summed.dtype == normed.dtype == dtype and summed.shape == normed.shape == (7, 39)
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(normed, rms_norm(x=x + residual, weight=w, eps=1e-6, zero_centered=zero_centered))
+    # the sum is rounded to x.dtype before the norm, as in the unfused layer
+    assert torch.equal(summed, (x.float() + residual.float()).to(dtype))
+    assert summed.data_ptr() not in (x.data_ptr(), residual.data_ptr())
+
+
+def test_add_rms_norm_rejects_a_mismatched_residual():
+    x, w = torch.randn(3, 8), torch.randn(8)
+    with pytest.raises(ValueError, match="residual must match"):
+        add_rms_norm(x=x, residual=torch.randn(2, 8), weight=w, eps=1e-6)
+    with pytest.raises(ValueError, match="residual must match"):
+        add_rms_norm(x=x, residual=torch.randn(3, 8).bfloat16(), weight=w, eps=1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(x=x, residual=x, weight=w[:5], eps=1e-6)

@@ -25,7 +25,8 @@ def test_gpu_backends_are_registered_without_importing_their_libraries():
 
     registry = default_registry()
     assert registry.backends("chunk_gated_delta_rule") == ["fla", "flashinfer", "reference"]
-    for op in ("rms_norm", "gated_rms_norm", "gdn_gating", "apply_rope"):
+    for op in ("rms_norm", "gated_rms_norm", "gdn_gating", "apply_rope", "add_rms_norm", "silu_and_mul",
+               "store_paged_kv"):
         assert registry.backends(op) == ["reference", "triton"]
     assert "common.ops.gdn.flashinfer" not in sys.modules  # nothing resolved, nothing imported
 
