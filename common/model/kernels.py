@@ -17,6 +17,8 @@ MODEL_OPS = {
     "gdn_gating": "gdn_gating",
     "gdn_chunk": "chunk_gated_delta_rule",
     "gdn_recurrent": "recurrent_gated_delta_rule",
+    "gdn_decode_in_place": "gdn_decode_in_place",
+    "conv1d_update_in_place": "conv1d_update_in_place",
     "rope": "apply_rope",
     "paged_attention": "paged_attention",
     "store_paged_kv": "store_paged_kv",
@@ -39,6 +41,8 @@ class Kernels:
     gdn_gating: Callable
     gdn_chunk: Callable
     gdn_recurrent: Callable
+    gdn_decode_in_place: Callable
+    conv1d_update_in_place: Callable
     rope: Callable
     paged_attention: Callable
     store_paged_kv: Callable

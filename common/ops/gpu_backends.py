@@ -5,9 +5,9 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
 - ``reference``: plain torch everywhere (CPU or GPU; the definition of the numbers).
 - ``gpu``: the fastest backends measured on H200 (docs/kernels.md): FlashInfer chunked GDN
   prefill (128-dim heads; other head dims and fp32 go to fla), fla recurrent step (our Triton
-  kernel when per-token states are asked for), our Triton conv1d, FlashInfer paged attention
-  (fp16/bf16 with head dim 64/128/256; anything else goes to the reference), our Triton
-  DFLASH draft block attention.
+  kernel when per-token states are asked for), our Triton conv1d, our Triton in-place decode
+  steps on the state pool (conv and recurrence), FlashInfer paged attention (fp16/bf16 with head
+  dim 64/128/256; anything else goes to the reference), our Triton DFLASH draft block attention.
 - ``gpu-fla``: as ``gpu`` but with fla's chunked prefill, for machines whose FlashInfer lacks
   the CuTe-DSL libraries its GDN kernels need.
 
@@ -30,6 +30,8 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
         "recurrent_gated_delta_rule": "fla",
         "causal_conv1d_prefill": "triton",
         "causal_conv1d_update": "triton",
+        "gdn_decode_in_place": "triton",
+        "conv1d_update_in_place": "triton",
         "paged_attention": "flashinfer",
         "draft_block_attention": "triton",
         "rms_norm": "triton",
@@ -45,6 +47,8 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
         "recurrent_gated_delta_rule": "fla",
         "causal_conv1d_prefill": "triton",
         "causal_conv1d_update": "triton",
+        "gdn_decode_in_place": "triton",
+        "conv1d_update_in_place": "triton",
         "paged_attention": "flashinfer",
         "draft_block_attention": "triton",
         "rms_norm": "triton",

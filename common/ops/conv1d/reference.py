@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d_prefill", "causal_conv1d_update"]
+__all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "conv1d_update_in_place"]
 
 _ACTIVATIONS = ("silu", None)
 
@@ -124,3 +124,50 @@ def causal_conv1d_update(
     # Same kernel and summation order as the prefill, so decode reproduces prefill bit for bit.
     y = _conv(window.to(dt).permute(2, 0, 1).reshape(width, n * d), weight.to(dt).repeat(n, 1), 1, activation)
     return y.reshape(n, d).to(x.dtype), window[:, :, 1:].clone()
+
+
+def check_in_place(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor) -> int:
+    """Shape rules of :func:`conv1d_update_in_place`, from metadata only; returns W."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, D], got {tuple(x.shape)}")
+    n, d = x.shape
+    width = _check_weight(weight, d)
+    if conv_pool.dim() != 3 or conv_pool.shape[1:] != (d, width - 1):
+        raise ValueError(f"conv_pool must be [S, {d}, {width - 1}], got {tuple(conv_pool.shape)}")
+    if slots.dim() != 1 or slots.is_floating_point() or slots.numel() != n:
+        raise ValueError(f"slots must be an integer tensor [N={n}], got {slots.dtype} {tuple(slots.shape)}")
+    return width
+
+
+def conv1d_update_in_place(
+    *,
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One new token per request, reading and writing its window in the pool by slot.
+
+    Exactly :func:`causal_conv1d_update` on the gathered rows ``conv_pool[slots]``, whose new
+    state is written back into the same rows.
+
+    Args:
+        x: [N, D] the new input of each request.
+        conv_pool: [S, D, W-1] windows of one layer (``GDNStatePool.conv[layer]``), updated in
+            place; rows not named in ``slots`` are left untouched.
+        slots: integer [N] pool row of each request. Rows must be distinct, except that padding
+            rows may all name slot 0 (scratch): what lands there is unspecified.
+        weight: [D, W].
+        activation: "silu" or None.
+
+    Returns:
+        y: [N, D] in x.dtype.
+    """
+    _check_activation(activation)
+    check_in_place(x, conv_pool, slots, weight)
+    index = slots.to(device=conv_pool.device, dtype=torch.long)
+    y, new_state = causal_conv1d_update(x=x, conv_state=conv_pool[index], weight=weight,
+                                        activation=activation)
+    conv_pool[index] = new_state
+    return y

@@ -9,6 +9,9 @@ untouched, so no conversion or copy is needed at the op boundary.
 Arithmetic matches the reference: inputs are widened to fp32, the W taps are summed in tap order,
 silu in fp32, one rounding to x.dtype at the end. Rows of ``x`` may be strided (a view into a
 wider projection output) as long as the channel dim is contiguous.
+
+``conv1d_update_in_place`` is the decode step on the state pool itself: each request's window
+is read from, and written back to, its pool row ``slots[n]``, with no gather or scatter.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import triton.language as tl
 
 from common.ops.conv1d import reference
 
-__all__ = ["causal_conv1d_prefill", "causal_conv1d_update"]
+__all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "conv1d_update_in_place"]
 
 # TRITON_INTERPRET=1 runs the kernels on CPU tensors (fp32/fp16 only), which the CPU tests use.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -114,6 +117,38 @@ def _conv_update_kernel(
     tl.store(y + n * D + offs_d, acc.to(y.dtype.element_ty), mask=mask_d)
 
 
+@triton.jit
+def _conv_update_in_place_kernel(
+    x, stride_xn, pool, slots, stride_ss, stride_sd, stride_sw, w, stride_wd, y, D,
+    W: tl.constexpr, BW: tl.constexpr, SILU: tl.constexpr, BD: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    slot = tl.load(slots + n).to(tl.int64)
+    row = pool + slot * stride_ss + offs_d[:, None] * stride_sd  # [BD, 1]
+    cols = tl.arange(0, BW)[None, :]  # window column, oldest first; BW >= W
+    # The whole window in registers: the W-1 stored inputs, then the token rounded to the pool's
+    # dtype (as the next step will read it from the pool).
+    old = tl.load(row + cols * stride_sw, mask=mask_d[:, None] & (cols < W - 1), other=0.0)
+    xv = tl.load(x + n * stride_xn + offs_d, mask=mask_d, other=0.0).to(pool.dtype.element_ty)
+    win = tl.where(cols == W - 1, xv[:, None], old)
+    winf = win.to(tl.float32)
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for s in tl.static_range(W):
+        # column s on its own (the other terms are exact zeros), so taps add in the reference's order
+        col = tl.sum(tl.where(cols == s, winf, 0.0), axis=1)
+        wv = tl.load(w + offs_d * stride_wd + s, mask=mask_d, other=0.0).to(tl.float32)
+        acc = acc + col * wv
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y + n * D + offs_d, acc.to(y.dtype.element_ty), mask=mask_d)
+    # Window column c moves to c-1 in place. Another thread of this program may hold column c-1,
+    # so every thread must have read its old columns before any writes: hence the barrier.
+    tl.debug_barrier()
+    tl.store(row + (cols - 1) * stride_sw, win, mask=mask_d[:, None] & (cols >= 1) & (cols < W))
+
+
 def _rows_strided(x: torch.Tensor) -> torch.Tensor:
     """x itself when its last dim is contiguous (rows may be strided), else a contiguous copy."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -203,3 +238,37 @@ def causal_conv1d_update(
             x, x.stride(0), conv_state, *conv_state.stride(), weight, weight.stride(0), y, new_state, d,
             W=width, SILU=activation == "silu", BD=_BLOCK_D)
     return y, new_state
+
+
+def conv1d_update_in_place(
+    *,
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Triton version of :func:`common.ops.conv1d.reference.conv1d_update_in_place` (same
+    contract: y in x.dtype, the shifted window written into ``conv_pool[slots]``).
+
+    One launch, no host synchronisation and no allocation besides ``y`` (and a copy of ``x`` only
+    when its channel dim is strided), so the call can be captured in a CUDA graph. ``slots`` must
+    live on the pool's device and is not range-checked (that would need a host read). CPU or
+    fp64 tensors and W < 2 go to the reference.
+    """
+    if (not _supported(x, conv_pool, weight) or x.dim() != 2 or weight.dim() != 2
+            or weight.shape[1] < 2 or activation not in ("silu", None)):
+        return reference.conv1d_update_in_place(x=x, conv_pool=conv_pool, slots=slots, weight=weight,
+                                                activation=activation)
+    width = reference.check_in_place(x, conv_pool, slots, weight)
+    if slots.device != conv_pool.device:
+        raise ValueError(f"slots must be on the pool's device ({conv_pool.device}), got {slots.device}")
+    n, d = x.shape
+    x = _rows_strided(x)
+    weight = _weight(weight)
+    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    if n > 0:
+        _conv_update_in_place_kernel[(n, triton.cdiv(d, _BLOCK_D))](
+            x, x.stride(0), conv_pool, slots, *conv_pool.stride(), weight, weight.stride(0), y, d,
+            W=width, BW=triton.next_power_of_2(width), SILU=activation == "silu", BD=_BLOCK_D)
+    return y

@@ -16,11 +16,8 @@ def on_gpu(*tensors: torch.Tensor | None) -> bool:
     return all(t.is_cuda for t in present) and all(t.dtype != torch.float64 for t in present)
 
 
-def check_shapes(q, k, v, g, beta, cu_seqlens, initial_state) -> tuple[int, int, int, int, int, int]:
-    """The reference's shape rules, without reading a device tensor on the host.
-
-    Returns (T, HK, K, HV, V, N).
-    """
+def check_tokens(q, k, v, g, beta) -> tuple[int, int, int, int, int]:
+    """Shape rules of the per-token inputs; returns (T, HK, K, HV, V)."""
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [T, HK, K], got {tuple(q.shape)} and {tuple(k.shape)}")
     if v.dim() != 3 or v.shape[0] != q.shape[0]:
@@ -31,6 +28,15 @@ def check_shapes(q, k, v, g, beta, cu_seqlens, initial_state) -> tuple[int, int,
         raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
     if g.shape != (t, hv) or beta.shape != (t, hv):
         raise ValueError(f"g and beta must be [{t}, {hv}], got {tuple(g.shape)} and {tuple(beta.shape)}")
+    return t, hk, dk, hv, dv
+
+
+def check_shapes(q, k, v, g, beta, cu_seqlens, initial_state) -> tuple[int, int, int, int, int, int]:
+    """The reference's shape rules, without reading a device tensor on the host.
+
+    Returns (T, HK, K, HV, V, N).
+    """
+    t, hk, dk, hv, dv = check_tokens(q, k, v, g, beta)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
         raise ValueError("cu_seqlens must be an integer tensor [N+1] with N >= 1")
     if not cu_seqlens.is_cuda:
@@ -80,3 +86,20 @@ def aligned(t: torch.Tensor, align: int = 32) -> torch.Tensor:
 
 def is_aligned(t: torch.Tensor, align: int = 32) -> bool:
     return t.is_contiguous() and t.data_ptr() % align == 0
+
+
+def check_in_place(q, k, v, g, beta, ssm_pool, slots) -> tuple[int, int, int, int, int, int]:
+    """Shape rules of the in-place decode step (one token per request), read from metadata only.
+
+    Returns (N, HK, K, HV, V, S).
+    """
+    n, hk, dk, hv, dv = check_tokens(q, k, v, g, beta)
+    if n < 1:
+        raise ValueError("the decode step needs at least one request")
+    if slots.dim() != 1 or slots.is_floating_point() or slots.numel() != n:
+        raise ValueError(f"slots must be an integer tensor [N={n}], got {slots.dtype} {tuple(slots.shape)}")
+    if ssm_pool.dim() != 4:
+        raise ValueError(f"ssm_pool must be [S, HV, V, K] (one layer of the pool), got {tuple(ssm_pool.shape)}")
+    if tuple(ssm_pool.shape[1:]) != (hv, dv, dk):
+        raise ValueError(f"ssm_pool must be [S, {hv}, {dv}, {dk}] (K-last), got {tuple(ssm_pool.shape)}")
+    return n, hk, dk, hv, dv, ssm_pool.shape[0]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.ops.gdn._common import check_shapes
+from common.ops.gdn._common import check_in_place, check_shapes
 
-__all__ = ["gdn_gating", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = ["gdn_gating", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gdn_decode_in_place"]
 
 _L2NORM_EPS = 1e-6
 
@@ -201,3 +201,40 @@ def recurrent_gated_delta_rule(
     if inter is not None:
         return o, state, inter
     return o, state
+
+
+def gdn_decode_in_place(
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """One decode step of every request, reading and writing its state in the pool by slot.
+
+    Exactly :func:`recurrent_gated_delta_rule` with one token per request: the states of rows
+    ``slots`` are gathered, stepped, and written back into the same rows.
+
+    Args:
+        q, k: [N, HK, K]. v: [N, HV, V]. g, beta: [N, HV] log decay and post-sigmoid beta.
+        ssm_pool: [S, HV, V, K] K-last states of one layer (``GDNStatePool.ssm[layer]``), updated
+            in place; rows not named in ``slots`` are left untouched.
+        slots: integer [N] pool row of each request. Rows must be distinct, except that padding
+            rows may all name slot 0 (scratch): what lands there is unspecified.
+        scale, use_qk_l2norm: as in :func:`recurrent_gated_delta_rule`.
+
+    Returns:
+        o: [N, HV, V] in v.dtype.
+    """
+    n = check_in_place(q, k, v, g, beta, ssm_pool, slots)[0]
+    index = slots.to(device=ssm_pool.device, dtype=torch.long)
+    o, final = recurrent_gated_delta_rule(
+        q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=torch.arange(n + 1),
+        initial_state=ssm_pool[index].transpose(-1, -2), scale=scale, use_qk_l2norm=use_qk_l2norm)
+    ssm_pool[index] = final.transpose(-1, -2).to(ssm_pool.dtype)
+    return o

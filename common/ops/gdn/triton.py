@@ -13,6 +13,11 @@ Per program: one (sequence, value head, V-block); the fp32 state block ``[K, BV]
 registers across the sequence's tokens, like fla's kernel. Per token, in the reference's order:
 ``S *= exp(g); delta = beta (v - k^T S); S += k delta^T; o = S^T (scale * q)`` with q, k
 l2-normalised (eps 1e-6 added to the sum of squares) when requested.
+
+The same kernel also serves ``gdn_decode_in_place`` (``SLOTS``): one token per request, the
+state read from and written back to the pool row ``slots[n]``. Each program reads its whole
+(slot, head, V-block) tile before it writes it and no other program touches that tile (slots are
+distinct, scratch slot 0 aside), so updating in place needs no second buffer.
 """
 
 from __future__ import annotations
@@ -22,29 +27,36 @@ import triton
 import triton.language as tl
 
 from common.ops.gdn import reference
-from common.ops.gdn._common import INTERPRET, check_shapes, device_cu, on_gpu
+from common.ops.gdn._common import INTERPRET, check_in_place, check_shapes, device_cu, on_gpu
 
-__all__ = ["recurrent_gated_delta_rule"]
+__all__ = ["recurrent_gated_delta_rule", "gdn_decode_in_place"]
 
 
 @triton.jit
 def _recurrent_kernel(
-    q, k, v, g, beta, cu, h0, ht, inter, o,
+    q, k, v, g, beta, cu, slots, h0, ht, inter, o,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
     s0_n, s0_h, s0_k, s0_v,
     st_n, st_h, st_k, st_v,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    USE_L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_INTER: tl.constexpr,
+    USE_L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_INTER: tl.constexpr, SLOTS: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_hk = i_hv // (HV // HK)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    if SLOTS:
+        # one token per request (token n), state row slots[n] of the pool for both h0 and ht
+        bos = i_n
+        eos = i_n + 1
+        i_s = tl.load(slots + i_n).to(tl.int64)
+    else:
+        bos = tl.load(cu + i_n).to(tl.int64)
+        eos = tl.load(cu + i_n + 1).to(tl.int64)
+        i_s = i_n
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -54,7 +66,7 @@ def _recurrent_kernel(
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
-        p_h0 = h0 + i_n * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
+        p_h0 = h0 + i_s * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
         b_h += tl.load(p_h0, mask=m_h, other=0.0).to(tl.float32)
 
     for t in range(bos, eos):
@@ -76,7 +88,7 @@ def _recurrent_kernel(
             p_i = inter + ((t * HV + i_hv) * K + o_k[:, None]) * V + o_v[None, :]
             tl.store(p_i, b_h, mask=m_h)
 
-    p_ht = ht + i_n * st_n + i_hv * st_h + o_k[:, None] * st_k + o_v[None, :] * st_v
+    p_ht = ht + i_s * st_n + i_hv * st_h + o_k[:, None] * st_k + o_v[None, :] * st_v
     tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=m_h)
 
 
@@ -122,19 +134,69 @@ def recurrent_gated_delta_rule(
     inter = torch.empty(t, hv, dk, dv, dtype=torch.float32, device=dev) if output_intermediate_states else o
     h0 = initial_state if initial_state is not None else final
     s0 = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
+    # cu stands in for the unused slots pointer
+    _launch(q, k, v, g, beta, cu, cu, h0, final, inter, o, s0, final.stride(), scale,
+            hk=hk, hv=hv, dk=dk, dv=dv, n=n, use_qk_l2norm=use_qk_l2norm,
+            has_h0=initial_state is not None, store_inter=output_intermediate_states, in_place=False)
+    if output_intermediate_states:
+        return o, final, inter
+    return o, final
+
+
+def _launch(q, k, v, g, beta, cu, slots, h0, ht, inter, o, s0, st, scale, *, hk, hv, dk, dv, n,
+            use_qk_l2norm, has_h0, store_inter, in_place):
+    """One launch of ``_recurrent_kernel``; s0 / st are the K-major strides of h0 / ht."""
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), 8 if bk >= 128 else 16)
     grid = (triton.cdiv(dv, bv), n * hv)
     _recurrent_kernel[grid](
-        q, k, v, g, beta, cu, h0, final, inter, o,
+        q, k, v, g, beta, cu, slots, h0, ht, inter, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0),
-        *s0, *final.stride(),
+        *s0, *st,
         dk ** -0.5 if scale is None else scale,
         HK=hk, HV=hv, K=dk, V=dv, BK=bk, BV=bv,
-        USE_L2NORM=use_qk_l2norm, HAS_H0=initial_state is not None, STORE_INTER=output_intermediate_states,
+        USE_L2NORM=use_qk_l2norm, HAS_H0=has_h0, STORE_INTER=store_inter, SLOTS=in_place,
         num_warps=1 if bk * bv <= 1024 else 4,
     )
-    if output_intermediate_states:
-        return o, final, inter
-    return o, final
+
+
+def gdn_decode_in_place(
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Triton version of :func:`common.ops.gdn.reference.gdn_decode_in_place` (same contract).
+
+    One launch, no host synchronisation and no allocation besides ``o``, so the call can be
+    captured in a CUDA graph with ``slots`` and the inputs updated in place between replays.
+    ``ssm_pool`` may be any strided ``[S, HV, V, K]`` tensor (the pool's layer view is
+    contiguous); ``slots`` must live on its device. Slots are not range-checked (that would need
+    a host read): an index outside ``[0, S)`` is out-of-bounds memory access. CPU (outside the
+    Triton interpreter) and fp64 inputs go to the reference.
+    """
+    if not (on_gpu(q, k, v, g, beta, ssm_pool) or INTERPRET) or any(
+            t.dtype == torch.float64 for t in (q, k, v, g, beta, ssm_pool)):
+        return reference.gdn_decode_in_place(q=q, k=k, v=v, g=g, beta=beta, ssm_pool=ssm_pool,
+                                             slots=slots, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    n, hk, dk, hv, dv, _ = check_in_place(q, k, v, g, beta, ssm_pool, slots)
+    if slots.device != ssm_pool.device:
+        raise ValueError(f"slots must be on the pool's device ({ssm_pool.device}), got {slots.device}")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    beta = beta if beta.stride(-1) == 1 else beta.contiguous()
+    slots = slots if slots.is_contiguous() else slots.contiguous()
+    o = torch.empty(n, hv, dv, dtype=v.dtype, device=v.device)
+    kmajor = ssm_pool.transpose(-1, -2).stride()  # [S, HV, K, V] strides of the K-last pool
+    # slots stands in for the unused cu_seqlens and o for the unused intermediate states
+    _launch(q, k, v, g, beta, slots, slots, ssm_pool, ssm_pool, o, o, kmajor, kmajor, scale,
+            hk=hk, hv=hv, dk=dk, dv=dv, n=n, use_qk_l2norm=use_qk_l2norm,
+            has_h0=True, store_inter=False, in_place=True)
+    return o

@@ -102,3 +102,81 @@ def test_prefill_then_updates_equal_one_prefill(record_metric):
         ys.append(y_i)
     _close(torch.cat(ys), y_all, record_metric, "y")
     assert torch.equal(st, final_all)
+
+
+# --- the in-place decode step on the state pool ---
+
+POOL_SLOTS = 50
+
+
+def _in_place_inputs(n, d, dtype, seed, w=4, padding=0):
+    """x rows strided, weight, a 50-slot pool of random windows, and n shuffled live slots
+    followed by ``padding`` rows on scratch slot 0 (as a padded CUDA-graph batch has)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    x = rand(n + padding, d + 24)[:, 8 : 8 + d]
+    live = torch.randperm(POOL_SLOTS - 1, generator=gen, device="cuda")[:n] + 1
+    slots = torch.cat([live, torch.zeros(padding, dtype=torch.int64, device="cuda")])
+    return x, rand(d, w), rand(POOL_SLOTS, d, w - 1), slots
+
+
+def _check_in_place(record, y, pool, y_ref, pool_ref, before, slots, n):
+    """y and the n live slots against the reference (states exact); other slots but 0 unchanged."""
+    live = slots[:n]
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    _close(y[:n], y_ref[:n], record, "y")
+    assert torch.equal(pool[live], pool_ref[live]), "written windows differ from the reference"
+    others = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    others[slots] = False
+    assert torch.equal(pool[others], before[others]), "a slot outside `slots` was written"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [8192, 1000, 72])
+@pytest.mark.parametrize("n", [1, 3, 37])
+def test_update_in_place_matches_reference(record_metric, dtype, d, n):
+    tr = _triton()
+    x, w, pool, slots = _in_place_inputs(n, d, dtype, seed=100 + n)
+    before, pool_ref = pool.clone(), pool.clone()
+    y = tr.conv1d_update_in_place(x=x, conv_pool=pool, slots=slots, weight=w)
+    y_ref = ref.conv1d_update_in_place(x=x, conv_pool=pool_ref, slots=slots, weight=w)
+    _check_in_place(record_metric, y, pool, y_ref, pool_ref, before, slots, n)
+
+
+@pytest.mark.parametrize("w", [2, 3, 5])
+def test_update_in_place_other_widths_and_padding(record_metric, w):
+    tr = _triton()
+    x, weight, pool, slots = _in_place_inputs(5, 1000, torch.float32, seed=200 + w, w=w, padding=7)
+    before, pool_ref = pool.clone(), pool.clone()
+    y = tr.conv1d_update_in_place(x=x, conv_pool=pool, slots=slots, weight=weight, activation=None)
+    y_ref = ref.conv1d_update_in_place(x=x, conv_pool=pool_ref, slots=slots, weight=weight, activation=None)
+    _check_in_place(record_metric, y, pool, y_ref, pool_ref, before, slots, 5)
+
+
+def test_update_in_place_replays_in_cuda_graph(record_metric):
+    """Captured once; slots, x and the pool changed in place between replays. The last rows are
+    padding on scratch slot 0."""
+    tr = _triton()
+    n, padding, d = 6, 2, 8192
+    x, w, pool, slots = _in_place_inputs(n, d, torch.bfloat16, seed=300, padding=padding)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        tr.conv1d_update_in_place(x=x, conv_pool=pool, slots=slots, weight=w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = tr.conv1d_update_in_place(x=x, conv_pool=pool, slots=slots, weight=w)
+    for replay in range(3):
+        new_x, _, new_pool, new_slots = _in_place_inputs(n, d, torch.bfloat16, seed=301 + replay,
+                                                         padding=padding)
+        x.copy_(new_x)
+        pool.copy_(new_pool)
+        slots.copy_(new_slots)
+        before, pool_ref = pool.clone(), pool.clone()
+        graph.replay()
+        y_ref = ref.conv1d_update_in_place(x=x, conv_pool=pool_ref, slots=slots, weight=w)
+        _check_in_place(record_metric, y, pool, y_ref, pool_ref, before, slots, n)

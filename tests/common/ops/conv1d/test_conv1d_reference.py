@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.ops.conv1d.reference import causal_conv1d_prefill, causal_conv1d_update
+from common.ops.conv1d.reference import causal_conv1d_prefill, causal_conv1d_update, conv1d_update_in_place
 
 D, W = 11, 4
 
@@ -78,3 +78,46 @@ def test_caller_mistakes_raise_value_error():
         causal_conv1d_update(x=x[:2], conv_state=torch.randn(2, D, W), weight=weight)
     with pytest.raises(ValueError, match="weight"):
         causal_conv1d_update(x=x[:2], conv_state=torch.randn(2, D, W - 1), weight=torch.randn(D + 1, W))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_update_in_place_equals_update_on_gathered_rows(dtype, activation):
+    gen = torch.Generator().manual_seed(4)
+    num_slots, n = 9, 4
+    x = _rand(gen, n, D + 3, dtype=dtype)[:, 3:]  # strided rows
+    weight = _rand(gen, D, W, dtype=dtype)
+    pool = _rand(gen, num_slots, D, W - 1, dtype=dtype)
+    slots = torch.randperm(num_slots - 1, generator=gen)[:n] + 1
+    before = pool.clone()
+    y = conv1d_update_in_place(x=x, conv_pool=pool, slots=slots, weight=weight, activation=activation)
+    y_want, s_want = causal_conv1d_update(x=x, conv_state=before[slots], weight=weight, activation=activation)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, y_want, rtol=0, atol=0)
+    torch.testing.assert_close(pool[slots], s_want, rtol=0, atol=0)
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_update_in_place_padding_rows_on_scratch_slot():
+    gen = torch.Generator().manual_seed(5)
+    x, weight, pool = _rand(gen, 4, D), _rand(gen, D, W), _rand(gen, 5, D, W - 1)
+    slots = torch.tensor([3, 0, 1, 0])
+    before = pool.clone()
+    y = conv1d_update_in_place(x=x, conv_pool=pool, slots=slots, weight=weight)
+    y_want, s_want = causal_conv1d_update(x=x[[0, 2]], conv_state=before[[3, 1]], weight=weight)
+    # another batch size vectorises differently: equal to within fp64 rounding
+    torch.testing.assert_close(y[[0, 2]], y_want, rtol=0, atol=1e-14)
+    torch.testing.assert_close(pool[[3, 1]], s_want, rtol=0, atol=0)
+    assert torch.equal(pool[[2, 4]], before[[2, 4]])
+
+
+def test_update_in_place_caller_mistakes_raise_value_error():
+    x, weight, pool = torch.randn(2, D), torch.randn(D, W), torch.randn(4, D, W - 1)
+    with pytest.raises(ValueError, match="conv_pool"):
+        conv1d_update_in_place(x=x, conv_pool=torch.randn(4, D, W), slots=torch.tensor([1, 2]), weight=weight)
+    with pytest.raises(ValueError, match="slots"):
+        conv1d_update_in_place(x=x, conv_pool=pool, slots=torch.tensor([1]), weight=weight)
+    with pytest.raises(ValueError, match="activation"):
+        conv1d_update_in_place(x=x, conv_pool=pool, slots=torch.tensor([1, 2]), weight=weight, activation="relu")

@@ -251,3 +251,93 @@ def test_cuda_cu_seqlens_accepted():
         b = fn(**on_gpu)
         for x, y in zip(a, b):
             assert torch.allclose(x.float(), y.float(), rtol=1e-5, atol=1e-5)
+
+
+# --- the in-place decode step on the state pool ---
+
+POOL_SLOTS = 50
+IN_PLACE_GEOMETRIES = [(16, 32, 128, 128), (8, 8, 128, 128), (8, 8, 128, 72)]
+
+
+def make_decode_in_place(n, hk, hv, dk, dv, dtype, seed, padding=0):
+    """One decode token for each of n requests on shuffled slots of a 50-slot fp32 pool, plus
+    ``padding`` rows that all name scratch slot 0 (as a padded CUDA-graph batch does)."""
+    inp = make_inputs([1] * (n + padding), hk, hv, dk, dv, dtype=dtype, seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1000)
+    pool = torch.randn(POOL_SLOTS, hv, dv, dk, generator=gen, device="cuda") * 0.3
+    live = torch.randperm(POOL_SLOTS - 1, generator=gen, device="cuda")[:n] + 1
+    slots = torch.cat([live, torch.zeros(padding, dtype=torch.int64, device="cuda")])
+    step = {key: inp[key] for key in ("q", "k", "v", "g", "beta")}
+    return step, pool, slots
+
+
+def _triton_gdn():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from common.ops.gdn import triton as gdn_triton
+
+    return gdn_triton
+
+
+def check_in_place(record, dtype, o, pool, o_ref, pool_ref, before, slots, n):
+    """o and the n live slots against the reference; every other slot but scratch 0 unchanged."""
+    live = slots[:n]
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    if dtype == torch.float32:
+        for name, a, b in (("o", o[:n], o_ref[:n]), ("state", pool[live], pool_ref[live])):
+            record(f"{name}.max_rel", max_rel(a, b))
+            assert max_rel(a, b) <= 1e-4, name
+    else:
+        check_bf16(record, "o", o[:n], o_ref[:n])
+        check_bf16(record, "state", pool[live], pool_ref[live])
+    others = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    others[slots] = False
+    assert torch.equal(pool[others], before[others]), "a slot outside `slots` was written"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hk,hv,dk,dv", IN_PLACE_GEOMETRIES)
+@pytest.mark.parametrize("n", [1, 3, 37])
+def test_triton_decode_in_place_matches_reference(record_metric, dtype, hk, hv, dk, dv, n):
+    tr = _triton_gdn()
+    step, pool, slots = make_decode_in_place(n, hk, hv, dk, dv, dtype, seed=20 + n)
+    before, pool_ref = pool.clone(), pool.clone()
+    o = tr.gdn_decode_in_place(**step, ssm_pool=pool, slots=slots)
+    o_ref = ref.gdn_decode_in_place(**as_fp32(step), ssm_pool=pool_ref, slots=slots)
+    check_in_place(record_metric, dtype, o, pool, o_ref, pool_ref, before, slots, n)
+
+
+def test_triton_decode_in_place_padding_rows_share_scratch_slot(record_metric):
+    """Padding rows all on slot 0 race there (slot 0 is garbage) but must not disturb live rows."""
+    tr = _triton_gdn()
+    step, pool, slots = make_decode_in_place(5, 16, 32, 128, 128, torch.bfloat16, seed=30, padding=11)
+    before, pool_ref = pool.clone(), pool.clone()
+    o = tr.gdn_decode_in_place(**step, ssm_pool=pool, slots=slots)
+    o_ref = ref.gdn_decode_in_place(**as_fp32(step), ssm_pool=pool_ref, slots=slots)
+    check_in_place(record_metric, torch.bfloat16, o, pool, o_ref, pool_ref, before, slots, 5)
+
+
+def test_triton_decode_in_place_replays_in_cuda_graph(record_metric):
+    """Captured once; slots, inputs and pool changed in place between replays, as a decode graph
+    sees them. The last rows are padding on scratch slot 0."""
+    tr = _triton_gdn()
+    n, padding, hk, hv, dk, dv = 6, 2, 16, 32, 128, 128
+    step, pool, slots = make_decode_in_place(n, hk, hv, dk, dv, torch.bfloat16, seed=40, padding=padding)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        tr.gdn_decode_in_place(**step, ssm_pool=pool, slots=slots)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = tr.gdn_decode_in_place(**step, ssm_pool=pool, slots=slots)
+    for replay in range(3):
+        new_step, new_pool, new_slots = make_decode_in_place(n, hk, hv, dk, dv, torch.bfloat16,
+                                                             seed=41 + replay, padding=padding)
+        for key in step:
+            step[key].copy_(new_step[key])
+        pool.copy_(new_pool)
+        slots.copy_(new_slots)
+        before, pool_ref = pool.clone(), pool.clone()
+        graph.replay()
+        o_ref = ref.gdn_decode_in_place(**as_fp32(step), ssm_pool=pool_ref, slots=slots)
+        check_in_place(record_metric, torch.bfloat16, o, pool, o_ref, pool_ref, before, slots, n)

@@ -2,7 +2,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.ops.gdn.reference import chunk_gated_delta_rule, gdn_gating, recurrent_gated_delta_rule
+from common.ops.gdn.reference import (
+    chunk_gated_delta_rule,
+    gdn_decode_in_place,
+    gdn_gating,
+    recurrent_gated_delta_rule,
+)
 
 K_DIM, V_DIM = 12, 10
 
@@ -183,3 +188,54 @@ def test_caller_mistakes_raise_value_error():
         chunk_gated_delta_rule(**inp, chunk_size=0)
     with pytest.raises(ValueError, match="A_log"):
         gdn_gating(A_log=torch.randn(3), a=torch.randn(2, 4), dt_bias=torch.randn(4), b=torch.randn(2, 4))
+
+
+def _decode_in_place_inputs(n, hk, hv, num_slots, dtype=torch.float64, seed=0):
+    inp = _inputs([1] * n, hk, hv, dtype=dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    pool = torch.randn(num_slots, hv, V_DIM, K_DIM, generator=gen, dtype=torch.float64).to(
+        torch.float32 if dtype != torch.float64 else dtype)
+    slots = torch.randperm(num_slots - 1, generator=gen)[:n] + 1  # shuffled, never scratch slot 0
+    step = {key: inp[key] for key in ("q", "k", "v", "g", "beta")}
+    return step, pool, slots
+
+
+@pytest.mark.parametrize("n,hk,hv", [(1, 2, 4), (3, 3, 3), (9, 2, 4)])
+def test_decode_in_place_equals_recurrent_on_gathered_rows(n, hk, hv):
+    step, pool, slots = _decode_in_place_inputs(n, hk, hv, num_slots=13, seed=n)
+    before = pool.clone()
+    o = gdn_decode_in_place(**step, ssm_pool=pool, slots=slots)
+    o_want, s_want = recurrent_gated_delta_rule(
+        **step, cu_seqlens=torch.arange(n + 1), initial_state=before[slots].transpose(-1, -2))
+    torch.testing.assert_close(o, o_want, rtol=0, atol=0)
+    torch.testing.assert_close(pool[slots], s_want.transpose(-1, -2), rtol=0, atol=0)
+    untouched = torch.ones(13, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_decode_in_place_dtypes_and_padding_rows_on_scratch_slot():
+    """bf16 inputs give a bf16 output and an fp32 pool; padding rows all on slot 0 leave live rows right."""
+    step, pool, _ = _decode_in_place_inputs(5, 2, 4, num_slots=8, dtype=torch.bfloat16, seed=11)
+    slots = torch.tensor([4, 0, 2, 0, 0])
+    before = pool.clone()
+    o = gdn_decode_in_place(**step, ssm_pool=pool, slots=slots, scale=0.5)
+    assert o.dtype == torch.bfloat16 and pool.dtype == torch.float32
+    live = torch.tensor([0, 2])
+    one = {key: t[live] for key, t in step.items()}
+    o_want, s_want = recurrent_gated_delta_rule(**one, cu_seqlens=torch.arange(3), scale=0.5,
+                                                initial_state=before[slots[live]].transpose(-1, -2))
+    # another batch size may reduce in another order: equal to within rounding
+    torch.testing.assert_close(o[live], o_want)
+    torch.testing.assert_close(pool[slots[live]], s_want.transpose(-1, -2), rtol=1e-6, atol=1e-6)
+    assert torch.equal(pool[[1, 3, 5, 6, 7]], before[[1, 3, 5, 6, 7]])
+
+
+def test_decode_in_place_caller_mistakes_raise_value_error():
+    step, pool, slots = _decode_in_place_inputs(3, 2, 4, num_slots=6, seed=12)
+    with pytest.raises(ValueError, match="ssm_pool"):
+        gdn_decode_in_place(**step, ssm_pool=pool.transpose(-1, -2), slots=slots)
+    with pytest.raises(ValueError, match="slots"):
+        gdn_decode_in_place(**step, ssm_pool=pool, slots=slots[:2])
+    with pytest.raises(ValueError, match="slots"):
+        gdn_decode_in_place(**step, ssm_pool=pool, slots=slots.double())
