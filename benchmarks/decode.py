@@ -1,5 +1,6 @@
 """Decode step time vs batch size, prefill throughput, and DFLASH draft/verify times on a GPU,
-for a Qwen3.5-4B-shaped model with random weights (eager execution; CUDA graphs are not built).
+for a Qwen3.5-4B-shaped model with random weights. Decode steps are timed twice in one run:
+eager, and replayed from CUDA graphs.
 
 Decode steps are compared with the floor memory bandwidth sets:
 (weight bytes + KV bytes read + GDN state bytes read and written) / the measured copy bandwidth.
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.shapes import QWEN3_5_4B_DRAFT, shape_config
+from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
 from common.model.builtin import fill_deterministic, fill_draft_deterministic
@@ -45,12 +47,17 @@ def build(kernels: str, with_draft: bool):
     return model.eval(), draft
 
 
-def engine_for(model, draft, *, block_size=None, max_running=256):
+def engine_for(model, draft, *, block_size=None, max_running=256, graphs=False):
+    """An engine on the GPU; with ``graphs`` its CUDA graphs are captured before it returns."""
     cache = CacheConfig(page_size=16, num_pages=max_running * (CONTEXT + 160) // 16 + 64,
                         num_slots=max_running + 1)
     sched = SchedulerConfig(max_prefill_tokens=16384, max_running_requests=max_running)
-    return LLMEngine(model, EngineConfig(cache=cache, scheduler=sched, device="cuda"),
-                     draft=draft, block_size=block_size)
+    config = EngineConfig(cache=cache, scheduler=sched, device="cuda",
+                          cuda_graph=CudaGraphConfig(enabled=graphs))
+    engine = LLMEngine(model, config, draft=draft, block_size=block_size)
+    if graphs:
+        engine.warmup()
+    return engine
 
 
 def fill_batch(engine, batch: int, prompt_len: int, new_tokens: int) -> list:
@@ -91,19 +98,24 @@ def decode_floor_s(model, batch: int, context: int, bandwidth: float) -> float:
 
 
 def bench_decode(model, bandwidth, batches) -> list[dict]:
+    """Engine decode steps (schedule, forward, sample) per batch size, eager and from graphs."""
+    engines = {mode: engine_for(model, None, max_running=max(batches), graphs=mode == "graph")
+               for mode in ("eager", "graph")}
     rows = []
     for batch in batches:
-        engine = engine_for(model, None, max_running=max(batches))
-        reqs = fill_batch(engine, batch, CONTEXT, 64)
-        engine.step()  # warm-up at this batch size
-        step_s = timed(engine.step, 8)
         floor = decode_floor_s(model, batch, CONTEXT + 5, bandwidth)
-        rows.append({"batch": batch, "step_ms": step_s * 1e3, "floor_ms": floor * 1e3,
-                     "x_floor": step_s / floor, "tokens_per_s": batch / step_s})
-        for r in reqs:
-            engine.abort(r.request_id)
-        del engine
-        torch.cuda.empty_cache()
+        row = {"batch": batch, "floor_ms": floor * 1e3}
+        for mode, engine in engines.items():
+            reqs = fill_batch(engine, batch, CONTEXT, 64)
+            engine.step()  # warm-up at this batch size
+            step_s = timed(engine.step, 8)
+            row.update({f"{mode}_ms": step_s * 1e3, f"{mode}_x_floor": step_s / floor,
+                        f"{mode}_tokens_per_s": batch / step_s})
+            for r in reqs:
+                engine.abort(r.request_id)
+        rows.append(row)
+    del engines
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -150,13 +162,16 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default="gpu")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--out", default="out/decode.json")
+    p.add_argument("--parts", default="decode,prefill,dflash",
+                   help="comma-separated parts to run: decode, prefill, dflash")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    model, draft = build(args.kernels, with_draft=True)
+    parts = set(args.parts.split(","))
+    model, draft = build(args.kernels, with_draft="dflash" in parts)
     bandwidth = copy_bandwidth()
-    decode = bench_decode(model, bandwidth, batches)
-    prefill = bench_prefill(model, [1, 4, 16, 32])
-    dflash = bench_dflash(model, draft, [8, 16], [1, 8])
+    decode = bench_decode(model, bandwidth, batches) if "decode" in parts else []
+    prefill = bench_prefill(model, [1, 4, 16, 32]) if "prefill" in parts else []
+    dflash = bench_dflash(model, draft, [8, 16], [1, 8]) if "dflash" in parts else []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "kernels": args.kernels,
@@ -164,10 +179,12 @@ def main(argv=None) -> int:
                                "copy_GBps": bandwidth / 1e9, "decode": decode,
                                "prefill": prefill, "dflash": dflash}, indent=2))
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read+write); context {CONTEXT} tokens")
-    print(f"{'batch':>5} {'step ms':>9} {'floor ms':>9} {'x floor':>8} {'tok/s':>9}")
+    print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'eager/fl':>9} "
+          f"{'graph/fl':>9} {'graph tok/s':>12}")
     for r in decode:
-        print(f"{r['batch']:>5} {r['step_ms']:>9.2f} {r['floor_ms']:>9.3f} {r['x_floor']:>8.1f} "
-              f"{r['tokens_per_s']:>9.0f}")
+        print(f"{r['batch']:>5} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} {r['floor_ms']:>9.3f} "
+              f"{r['eager_x_floor']:>9.1f} {r['graph_x_floor']:>9.2f} "
+              f"{r['graph_tokens_per_s']:>12.0f}")
     print(f"{'prompts':>7} {'x tokens':>9} {'seconds':>8} {'tok/s':>9}")
     for r in prefill:
         print(f"{r['prompts']:>7} {r['prompt_len']:>9} {r['seconds']:>8.3f} "

@@ -220,8 +220,11 @@ class Sampler:
                 f"need one SamplingParams and one generator per row: {n} rows, "
                 f"{len(params)} params, {len(generators)} generators"
             )
-        out = torch.empty(n, dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        if len(greedy) == n:
+            # the common case takes no index tensors: no host-to-device copy in the step
+            return logits.argmax(dim=-1)
+        out = torch.empty(n, dtype=torch.long, device=logits.device)
         if greedy:
             idx = torch.tensor(greedy, device=logits.device)
             out[idx] = logits[idx].argmax(dim=-1)

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.llm_engine import CacheConfig, EngineConfig
 from common.lifecycle import die_with_parent_if_asked
 from common.engine.scheduler import SchedulerConfig
@@ -32,7 +33,15 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per DFLASH step (default: the draft's own block_size)")
     add_kernel_args(p)
+    add_cuda_graph_args(p)
     p.add_argument("--log-level", default="INFO")
+
+
+def add_cuda_graph_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode (and DFLASH verify) eagerly instead of replaying CUDA graphs")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256,
+                   help="largest batch captured in a CUDA graph; larger steps run eagerly")
 
 
 def add_kernel_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +72,15 @@ def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> Engin
                                   reserve_output_tokens=not prefill),
         device=args.device,
         hold_after_prefill=prefill,
+        cuda_graph=cuda_graph_from_args(args),
     )
+
+
+def cuda_graph_from_args(args: argparse.Namespace) -> CudaGraphConfig:
+    if args.cuda_graph_max_bs < 1:
+        raise ValueError(f"--cuda-graph-max-bs must be at least 1, got {args.cuda_graph_max_bs}")
+    return CudaGraphConfig(enabled=not args.disable_cuda_graph,
+                           max_batch_size=args.cuda_graph_max_bs)
 
 
 def build_engine(args: argparse.Namespace, *, prefill: bool):

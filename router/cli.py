@@ -47,7 +47,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 # Worker flags that `flashsplit up` passes through unchanged (--device is spread over workers).
 _WORKER_FLAGS = ("--dtype", "--page-size", "--num-pages", "--num-slots", "--max-prefill-tokens",
-                 "--max-running-requests", "--draft", "--block-size", "--kernels")
+                 "--max-running-requests", "--draft", "--block-size", "--kernels",
+                 "--cuda-graph-max-bs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "workers in order, prefill first (e.g. cuda:0,cuda:1)")
     for flag in _WORKER_FLAGS:
         up.add_argument(flag, default=None, help="passed to every worker")
+    up.add_argument("--disable-cuda-graph", action="store_true", help="passed to every worker")
     up.add_argument("--start-timeout", type=float, default=600.0,
                     help="seconds each process may take to become ready")
     up.add_argument("--quiet", action="store_true", help="do not echo the processes' logs")
@@ -189,6 +191,8 @@ def cluster_config_from_args(args: argparse.Namespace):
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             worker_args += [flag, str(value)]
+    if args.disable_cuda_graph:
+        worker_args.append("--disable-cuda-graph")
     devices = tuple(d for d in (args.device or "").split(",") if d)
     return ClusterConfig(model=args.model, host=args.host, router_port=args.port,
                          num_prefill=args.prefill_workers, num_decode=args.decode_workers,

@@ -33,6 +33,10 @@ class VerifyBuffers:
         self.a = torch.zeros(num_layers, rows * tokens, num_value_heads, dtype=dtype,
                              device=device)
         self.b = torch.zeros_like(self.a)
+        # buffer row of token i of batch row r, on the device: a batch whose rows all have one
+        # length takes its index from here without a host-to-device copy (CUDA-graph capture)
+        self._grid = (torch.arange(rows, device=device)[:, None] * tokens
+                      + torch.arange(tokens, device=device)[None, :])
         self.pending = None  # the ForwardBatch whose inputs the buffers hold, until committed
         self._index: torch.Tensor | None = None  # [T] buffer row of each token of `pending`
 
@@ -52,8 +56,12 @@ class VerifyBuffers:
             raise ValueError(
                 f"verify batch of {batch.num_requests} requests x {max(batch.extend_lens)} tokens "
                 f"does not fit buffers of {self.rows} rows x {self.tokens} tokens")
-        index = [r * self.tokens + i for r, n in enumerate(batch.extend_lens) for i in range(n)]
-        self._index = torch.tensor(index, dtype=torch.int64, device=self.qkv.device)
+        lens = batch.extend_lens
+        if min(lens) == max(lens):
+            self._index = self._grid[:len(lens), :lens[0]].reshape(-1)
+        else:
+            index = [r * self.tokens + i for r, n in enumerate(lens) for i in range(n)]
+            self._index = torch.tensor(index, dtype=torch.int64, device=self.qkv.device)
         self.pending = batch
 
     def store(self, layer: int, *, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
+from common.engine.cuda_graph import CudaGraphConfig, GraphRunner
 from common.engine.model_runner import ModelRunner
 from common.engine.request import Request
 from common.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -17,6 +19,8 @@ from common.model.dflash import DFlashDraftModel
 from common.model.forward_batch import ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM
 from common.sampling import Sampler, SamplingParams, make_generator, stop_reason
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class EngineConfig:
     # prefill workers: after its first token a request leaves the batch but keeps its cache
     # until release(), so its state can be handed to a decode worker
     hold_after_prefill: bool = False
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
 
 @dataclass
@@ -84,15 +89,46 @@ class LLMEngine:
         self.speculator = None if draft is None else DFlashSpeculator(
             model, draft, self.kv_pool, self.state_pool, block_size=block_size,
             max_requests=0 if config.hold_after_prefill
-            else config.scheduler.max_running_requests)
+            else config.scheduler.max_running_requests,
+            graphs=config.cuda_graph if self._graphs_apply() else None)
         # a verify block writes block_size positions past the cache: reserve room for them
         lookahead = self.speculator.block_size if self.speculator else 0
         self.scheduler = Scheduler(replace(config.scheduler, lookahead_tokens=lookahead),
                                    self.kv_pool, self.state_pool)
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device)
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device,
+                                  graphs=self._decode_graphs())
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    def _graphs_apply(self) -> bool:
+        graphs, config = self.config.cuda_graph, self.config
+        on_gpu = torch.device(config.device).type == "cuda"
+        # a prefill worker never decodes: its requests leave after their first token
+        if not graphs.enabled or config.hold_after_prefill or not (on_gpu or not graphs.capture):
+            return False
+        if graphs.capture and any(self.model.config.is_moe_layer(i)
+                                  for i in range(self.model.config.num_hidden_layers)):
+            # the MoE op groups tokens by expert on the host, which a graph cannot replay
+            log.warning("CUDA graphs are off: the sparse MoE op is not capturable; decode runs "
+                        "eagerly")
+            return False
+        return True
+
+    def _decode_graphs(self) -> GraphRunner | None:
+        if not self._graphs_apply():
+            return None
+        sizes = self.config.cuda_graph.batch_sizes(self.config.scheduler.max_running_requests)
+        return GraphRunner(self.model, self.kv_pool, self.state_pool, batch_sizes=sizes,
+                           capture=self.config.cuda_graph.capture)
+
+    def capture_cuda_graphs(self, progress: bool = True) -> None:
+        """Capture the decode (and DFLASH verify) graphs; a no-op without them. Kernels must
+        be warm: call after a first request has run, as :meth:`warmup` does."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture(progress)
+        if self.speculator is not None:
+            self.speculator.capture_graphs(progress)
 
     def wants_speculation(self, speculative: bool | None) -> bool:
         """A request speculates when this engine has a draft, unless it asked not to."""
@@ -180,11 +216,13 @@ class LLMEngine:
         sampled = [(i, r) for i, r in enumerate(step.requests) if not r.is_prefilling]
         if not sampled:
             return []
-        rows = torch.tensor([i for i, _ in sampled], device=out.logits.device)
         reqs = [r for _, r in sampled]
+        logits = out.logits
+        if len(sampled) < len(step.requests):
+            logits = logits[torch.tensor([i for i, _ in sampled], device=logits.device)]
         for r in reqs:
             self._reseed(r)
-        tokens = self.sampler.sample(out.logits[rows], [r.params for r in reqs],
+        tokens = self.sampler.sample(logits, [r.params for r in reqs],
                                      [r.generator for r in reqs]).tolist()
         return [self._append(r, tok) for r, tok in zip(reqs, tokens)]
 
@@ -230,6 +268,7 @@ class LLMEngine:
             if any(e.held for e in self.step()):
                 break
         self.abort(key)  # a request held for handoff (prefill workers) still owns its cache
+        self.capture_cuda_graphs()
 
     def load(self) -> dict[str, int]:
         """Free and total capacity, queue lengths: what a worker reports to the router.

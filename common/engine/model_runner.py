@@ -6,18 +6,24 @@ import torch
 
 from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
+from common.engine.cuda_graph import GraphRunner
 from common.engine.scheduler import ScheduledStep
-from common.model.forward_batch import ForwardBatch
+from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
 
 
 class ModelRunner:
+    """Args:
+        graphs: replays DECODE steps it serves from CUDA graphs; others run eagerly.
+    """
+
     def __init__(self, model: HybridForCausalLM, kv_pool: KVPool, state_pool: GDNStatePool,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, graphs: GraphRunner | None = None) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.device = torch.device(device)
+        self.graphs = graphs
 
     def build_batch(self, step: ScheduledStep, *, return_all_logits: bool = False) -> ForwardBatch:
         reqs = step.requests
@@ -32,8 +38,12 @@ class ModelRunner:
     def run(self, step: ScheduledStep, *,
             return_all_logits: bool = False) -> tuple[ModelOutput, ForwardBatch]:
         """Run one forward and advance every request's ``num_cached``."""
-        batch = self.build_batch(step, return_all_logits=return_all_logits)
-        out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+        if (self.graphs is not None and step.mode == ForwardMode.DECODE
+                and not return_all_logits and self.graphs.serves(len(step.requests))):
+            out, batch = self.graphs.run(step.requests, step.token_ids())
+        else:
+            batch = self.build_batch(step, return_all_logits=return_all_logits)
+            out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
         for r, n in zip(step.requests, step.num_new_tokens):
             r.num_cached += n
         return out, batch

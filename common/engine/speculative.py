@@ -15,6 +15,8 @@ import torch
 from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
 from common.engine.acceptance import Acceptance, accept_greedy, accept_sampled
+from common.engine.cuda_graph import CudaGraphConfig, GraphRunner
+from common.engine.draft_graph import DraftGraphRunner
 from common.engine.request import Request
 from common.model.dflash import DFlashDraftModel, DraftKVPool
 from common.model.forward_batch import ForwardBatch, ForwardMode
@@ -37,11 +39,17 @@ class DFlashSpeculator:
         block_size: B, tokens verified per step (default: the draft's trained block size).
         max_requests: rows to reserve verify buffers for up front (0: this engine only
             builds draft context, as a prefill worker does).
+        graphs: replay the verify forward from CUDA graphs (after :meth:`capture_graphs`),
+            for batches of up to ``VERIFY_GRAPH_TOKENS // B`` requests.
     """
+
+    # the largest captured verify forward, in tokens: its fp32 logits alone are
+    # tokens x vocab x 4 bytes (1 GiB at Qwen3.5's vocabulary)
+    VERIFY_GRAPH_TOKENS = 1024
 
     def __init__(self, target: HybridForCausalLM, draft: DFlashDraftModel, kv_pool: KVPool,
                  state_pool: GDNStatePool, *, block_size: int | None = None,
-                 max_requests: int = 1) -> None:
+                 max_requests: int = 1, graphs: CudaGraphConfig | None = None) -> None:
         self.target, self.draft = target, draft
         self.block_size = block_size or draft.config.block_size
         if self.block_size < 2:
@@ -53,6 +61,21 @@ class DFlashSpeculator:
         if max_requests > 0:
             state_pool.reserve_verify(max_requests, self.block_size)
         self.stats = {"spec_steps": 0, "spec_committed_tokens": 0, "spec_drafted_tokens": 0}
+        self.verify_graphs = self.draft_graphs = None
+        if graphs is not None and max_requests > 0:
+            cap = min(max_requests, max(1, self.VERIFY_GRAPH_TOKENS // self.block_size))
+            sizes = graphs.batch_sizes(cap)
+            self.verify_graphs = GraphRunner(
+                target, kv_pool, state_pool, batch_sizes=sizes, mode=ForwardMode.VERIFY,
+                q_len=self.block_size, capture=graphs.capture)
+            self.draft_graphs = DraftGraphRunner(
+                draft, target, self.draft_pool, batch_sizes=sizes, block_size=self.block_size,
+                mask_token_id=self.mask_token_id, capture=graphs.capture)
+
+    def capture_graphs(self, progress: bool = True) -> None:
+        for runner in (self.draft_graphs, self.verify_graphs):
+            if runner is not None:
+                runner.capture(progress)
 
     def extend_context(self, aux_hidden: torch.Tensor, batch: ForwardBatch,
                        rows: torch.Tensor | None = None) -> None:
@@ -62,10 +85,16 @@ class DFlashSpeculator:
             aux_hidden, positions, locs = aux_hidden[rows], positions[rows], locs[rows]
         self.draft.extend_context(aux_hidden, positions, locs, self.draft_pool)
 
-    def propose(self, requests: list[Request], page_table: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts ``[N, B-1]`` for the requests' blocks."""
+    def propose(self, requests: list[Request], pages: list[list[int]]) -> torch.Tensor:
+        """Greedy drafts ``[N, B-1]`` for the requests' blocks (``pages[r]``: request r's pages,
+        covering at least its context)."""
+        if self.draft_graphs is not None and self.draft_graphs.serves(len(requests)):
+            return self.draft_graphs.run(requests, pages)
         b = self.block_size
-        device = page_table.device
+        device = self.kv_pool.kv.device
+        width = max(len(p) for p in pages)
+        page_table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32,
+                                  device=device)
         blocks = torch.full((len(requests), b), self.mask_token_id, dtype=torch.int64,
                             device=device)
         blocks[:, 0] = torch.tensor([r.output_ids[-1] for r in requests], device=device)
@@ -89,21 +118,23 @@ class DFlashSpeculator:
         if any(len(p) * page_size < r.num_cached + b for p, r in zip(pages, requests)):
             raise ValueError("a speculative request needs pages for block_size tokens past its "
                              "cache (reserve them at admission)")
-        width = max(len(p) for p in pages)
         device = self.kv_pool.kv.device
-        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32,
-                             device=device)
-        drafts = self.propose(requests, table)  # [N, B-1]
+        drafts = self.propose(requests, pages)  # [N, B-1]
         tokens = [[r.output_ids[-1]] + d for r, d in zip(requests, drafts.tolist())]
-        batch = ForwardBatch.build(
-            mode=ForwardMode.VERIFY, token_ids=tokens, prefix_lens=[r.num_cached for r in requests],
-            page_ids=pages, page_size=page_size, state_slots=[r.slot for r in requests],
-            device=device)
-        out = self.target(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+        if self.verify_graphs is not None and self.verify_graphs.serves(n):
+            out, batch = self.verify_graphs.run(requests, tokens)
+        else:
+            batch = ForwardBatch.build(
+                mode=ForwardMode.VERIFY, token_ids=tokens,
+                prefix_lens=[r.num_cached for r in requests], page_ids=pages,
+                page_size=page_size, state_slots=[r.slot for r in requests], device=device)
+            out = self.target(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
         logits = out.logits.view(n, b, -1)
         accepted = self._accept(requests, drafts, logits, seed_for)
         commits = [a.commit_len for a in accepted]
-        self.target.commit_verified(batch, commits, state_pool=self.state_pool)
+        # padding rows of a graph batch commit one token into the scratch slot
+        self.target.commit_verified(batch, commits + [1] * (batch.num_requests - n),
+                                    state_pool=self.state_pool)
         rows = torch.cat([torch.arange(j, device=device) + i * b for i, j in enumerate(commits)])
         self.extend_context(out.aux_hidden_states, batch, rows)
         outcomes = []

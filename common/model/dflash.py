@@ -123,7 +123,7 @@ class DraftAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, *, num_blocks: int,
                 kv: tuple[torch.Tensor, torch.Tensor], page_table: torch.Tensor,
-                context_lens: list[int], start_positions: list[int], kn: Kernels,
+                context_lens: torch.Tensor, start_positions: torch.Tensor, kn: Kernels,
                 inv_freq: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         b = t // num_blocks
@@ -214,7 +214,8 @@ class DFlashDraftModel(nn.Module):
 
         Args:
             block_ids: [N, B] ``[last committed token, mask_token_id x (B-1)]`` per request.
-            start_positions: N ints (list or tensor): position of block[0] = tokens whose
+            start_positions: N ints (list or tensor; a tensor on the model's device is never
+                read on the host, so the call can be captured): position of block[0] = tokens whose
                 draft context is known.
             page_table: [N, max_pages] the requests' pages (the target's page ids).
             pool: the draft KV pool holding the context.
@@ -228,14 +229,13 @@ class DFlashDraftModel(nn.Module):
         if block_ids.dim() != 2 or block_ids.shape[1] < 2:
             raise ValueError(f"block_ids must be [N, B] with B >= 2, got {tuple(block_ids.shape)}")
         n, b = block_ids.shape
-        starts = _ints(start_positions)
-        ctx_lens = starts if context_lens is None else _ints(context_lens)
-        if len(starts) != n or len(ctx_lens) != n:
-            raise ValueError(f"start_positions and context_lens need {n} entries, got "
-                             f"{len(starts)} and {len(ctx_lens)}")
         device = block_ids.device
-        positions = (torch.tensor(starts, dtype=torch.int64, device=device)[:, None]
-                     + torch.arange(b, device=device)).reshape(-1)
+        starts = _lengths(start_positions, device)
+        ctx_lens = starts if context_lens is None else _lengths(context_lens, device)
+        if starts.shape != (n,) or ctx_lens.shape != (n,):
+            raise ValueError(f"start_positions and context_lens need {n} entries, got "
+                             f"{tuple(starts.shape)} and {tuple(ctx_lens.shape)}")
+        positions = (starts[:, None] + torch.arange(b, device=device)).reshape(-1)
         x = F.embedding(block_ids.reshape(-1), embed)
         if c.input_embedding_scale != 1.0:
             x = x * c.input_embedding_scale
@@ -259,8 +259,12 @@ class DFlashDraftModel(nn.Module):
         return logits
 
 
-def _ints(values) -> list[int]:
-    return [int(v) for v in (values.tolist() if torch.is_tensor(values) else values)]
+def _lengths(values, device: torch.device) -> torch.Tensor:
+    """Per-request lengths as an int64 tensor on ``device`` (a tensor already there is used as
+    is, without reading it on the host)."""
+    if torch.is_tensor(values):
+        return values.to(device=device, dtype=torch.int64)
+    return torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
 
 
 def load_draft_weights(model: DFlashDraftModel, checkpoint_dir: str | Path) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from functools import cached_property
+from typing import Protocol
 
 import torch
 
@@ -25,6 +25,14 @@ class ForwardMode(enum.Enum):
     # k new tokens per request, computed like EXTEND (KV of all k is written), but the GDN
     # state slots are only read: any prefix of the k tokens can be committed afterwards
     VERIFY = "verify"
+
+
+class PlannedAttention(Protocol):
+    """Paged attention whose indices were prepared once for a whole forward (and, for CUDA
+    graphs, live in fixed buffers): every full-attention layer calls :meth:`run`."""
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        ...
 
 
 @dataclass
@@ -42,6 +50,10 @@ class ForwardBatch:
         state_slots: [N] int64 GDN state slot of each request.
         logits_positions: [M] int64 indices into the T tokens whose logits are returned
             (every token for VERIFY).
+        cu_seqlens: [N+1] int64 offsets of each request's new tokens; built on the CPU when not
+            given (a CUDA-graph batch passes a fixed device tensor instead).
+        attention: planned attention for this batch, or None to call the kernel set's
+            ``paged_attention`` with the batch's page table and lengths.
     """
 
     mode: ForwardMode
@@ -53,6 +65,14 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor
     state_slots: torch.Tensor
     logits_positions: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    attention: PlannedAttention | None = None
+
+    def __post_init__(self) -> None:
+        if self.cu_seqlens is None:
+            # built once here: every GDN layer of the forward reads it
+            self.cu_seqlens = torch.zeros(self.num_requests + 1, dtype=torch.int64)
+            self.cu_seqlens[1:] = torch.cumsum(torch.tensor(self.extend_lens, dtype=torch.int64), 0)
 
     @property
     def num_requests(self) -> int:
@@ -65,14 +85,6 @@ class ForwardBatch:
     @property
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
-
-    @cached_property
-    def cu_seqlens(self) -> torch.Tensor:
-        """[N+1] int64 on the CPU: offsets of each request's new tokens (built once: every GDN
-        layer of the forward asks for it)."""
-        out = torch.zeros(self.num_requests + 1, dtype=torch.int64)
-        out[1:] = torch.cumsum(torch.tensor(self.extend_lens, dtype=torch.int64), 0)
-        return out
 
     @classmethod
     def build(

@@ -13,7 +13,6 @@ MODEL_OPS = {
     "add_rms_norm": "add_rms_norm",
     "gated_rms_norm": "gated_rms_norm",
     "conv1d_prefill": "causal_conv1d_prefill",
-    "conv1d_update": "causal_conv1d_update",
     "gdn_gating": "gdn_gating",
     "gdn_chunk": "chunk_gated_delta_rule",
     "gdn_recurrent": "recurrent_gated_delta_rule",
@@ -23,7 +22,6 @@ MODEL_OPS = {
     "paged_attention": "paged_attention",
     "store_paged_kv": "store_paged_kv",
     "draft_attention": "draft_block_attention",
-    "silu_glu_mlp": "silu_glu_mlp",
     "silu_and_mul": "silu_and_mul",
     "sparse_moe": "sparse_moe",
 }
@@ -37,7 +35,6 @@ class Kernels:
     add_rms_norm: Callable
     gated_rms_norm: Callable
     conv1d_prefill: Callable
-    conv1d_update: Callable
     gdn_gating: Callable
     gdn_chunk: Callable
     gdn_recurrent: Callable
@@ -47,7 +44,6 @@ class Kernels:
     paged_attention: Callable
     store_paged_kv: Callable
     draft_attention: Callable
-    silu_glu_mlp: Callable
     silu_and_mul: Callable
     sparse_moe: Callable
     backends: tuple[tuple[str, str], ...] = ()

@@ -47,6 +47,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         return kernels.rms_norm(x=x, weight=self.weight, eps=self.eps, zero_centered=True)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                    kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)`` in one kernel."""
+        return kernels.add_rms_norm(x=x, residual=residual, weight=self.weight, eps=self.eps,
+                                    zero_centered=True)
+
 
 class GatedRMSNorm(nn.Module):
     """GDN output norm: plain-weight RMSNorm, then times ``silu(z)``."""
@@ -76,6 +82,40 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
 
+class FusedProjection:
+    """One weight tensor whose consecutive row blocks are the weights of several Linears with the
+    same input, so one GEMM computes all their outputs (at batch 1, several small GEMVs cost a
+    launch each and read their weights less efficiently than one).
+
+    The Linears keep their Parameters and names (the loader and ``state_dict`` see no change):
+    each weight is rebound to a view of the fused tensor, so loading into it fills the fused
+    tensor. Moving the module afterwards (``.to()``) moves the weights apart; :meth:`weight`
+    then fuses them again.
+    """
+
+    def __init__(self, *linears: Linear) -> None:
+        self.linears = linears
+        self.sizes = [lin.weight.shape[0] for lin in linears]
+        self._fused = self._fuse()
+
+    def _fuse(self) -> torch.Tensor:
+        fused = torch.cat([lin.weight.data for lin in self.linears], dim=0)
+        start = 0
+        for lin, n in zip(self.linears, self.sizes):
+            lin.weight.data = fused[start:start + n]
+            start += n
+        return fused
+
+    def weight(self) -> torch.Tensor:
+        if self._fused.data_ptr() != self.linears[0].weight.data_ptr():
+            self._fused = self._fuse()
+        return self._fused
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The Linears' outputs, in order (column views of one GEMM's output)."""
+        return torch.split(F.linear(x, self.weight()), self.sizes, dim=-1)
+
+
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer; its cache is one GDN state slot per request."""
 
@@ -97,65 +137,85 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = _param(c.linear_num_value_heads, dtype=dtype)
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps, dtype)
         self.out_proj = Linear(c.value_dim, c.hidden_size, dtype)
+        self.in_proj = FusedProjection(self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                       self.in_proj_a)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         kn, batch, pool = ctx.kernels, ctx.batch, ctx.state_pool
         num_tokens = x.shape[0]
         layer = pool.layer_index(self.layer_id)
         slots = batch.state_slots
-        mixed_qkv = self.in_proj_qkv(x)  # [T, conv_dim], channels q|k|v
-        z = self.in_proj_z(x).view(num_tokens, self.num_v_heads, self.head_v_dim)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
-        verify = batch.mode == ForwardMode.VERIFY
-        if verify:
-            # the state stays as committed; these inputs let commit_verified replay a prefix
-            ctx.verify.store(layer, qkv=mixed_qkv, a=a, b=b)
-
-        o, new_conv, final_state = self._mix(
-            kn, mixed_qkv, a, b, cu_seqlens=batch.cu_seqlens,
-            conv_state=pool.conv[layer, slots], ssm_state=pool.ssm[layer, slots],
-            single_step=batch.mode == ForwardMode.DECODE)
-        if not verify:
-            pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
-            pool.ssm[layer, slots] = final_state.to(pool.ssm.dtype)
+        # mixed_qkv [T, conv_dim] (channels q|k|v), z [T, value_dim], b and a [T, HV]: column
+        # views of one output, so their rows are strided (every kernel here accepts that)
+        mixed_qkv, z, b, a = self.in_proj(x)
+        z = z.view(num_tokens, self.num_v_heads, self.head_v_dim)
+        if batch.mode == ForwardMode.DECODE:
+            o = self._decode_step(kn, mixed_qkv, a, b, conv_pool=pool.conv[layer],
+                                  ssm_pool=pool.ssm[layer], slots=slots)
+        else:
+            verify = batch.mode == ForwardMode.VERIFY
+            if verify:
+                # the state stays as committed; these inputs let commit_verified replay a prefix
+                ctx.verify.store(layer, qkv=mixed_qkv, a=a, b=b)
+            o, new_conv, final_state = self._mix(
+                kn, mixed_qkv, a, b, cu_seqlens=batch.cu_seqlens,
+                conv_state=pool.conv[layer, slots], ssm_state=pool.ssm[layer, slots],
+                short=verify)
+            if not verify:
+                pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
+                pool.ssm[layer, slots] = final_state.to(pool.ssm.dtype)
 
         o = kn.gated_rms_norm(x=o.reshape(-1, self.head_v_dim).to(x.dtype),
                               gate=z.reshape(-1, self.head_v_dim), weight=self.norm.weight,
                               eps=self.norm.eps)
         return self.out_proj(o.reshape(num_tokens, self.value_dim))
 
-    def _mix(self, kn: Kernels, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
-             cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-             single_step: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv, gates and delta rule from the given states; nothing is written.
-
-        Args:
-            mixed_qkv: [T, conv_dim] pre-conv rows. a, b: [T, HV] gate projections.
-            conv_state: [N, conv_dim, W-1]. ssm_state: [N, HV, V, K] (pool layout).
-            single_step: one token per request (the decode kernels).
-
-        Returns:
-            o [T, HV, V], the new conv state [N, conv_dim, W-1] and the new ssm state
-            [N, HV, V, K] (pool layout).
-        """
+    def _heads_and_gates(self, kn: Kernels, mixed_qkv: torch.Tensor, a: torch.Tensor,
+                         b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k [T, HK, K], v [T, HV, V] from the conv output, and the gates g, beta [T, HV]."""
         num_tokens = mixed_qkv.shape[0]
-        weight = self.conv1d.weight.squeeze(1)
-        if single_step:
-            mixed_qkv, new_conv = kn.conv1d_update(x=mixed_qkv, conv_state=conv_state,
-                                                   weight=weight, activation="silu")
-        else:
-            mixed_qkv, new_conv = kn.conv1d_prefill(
-                x=mixed_qkv, weight=weight, cu_seqlens=cu_seqlens,
-                initial_state=conv_state, activation="silu")
-
         q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         g, beta = kn.gdn_gating(A_log=self.A_log, a=a, dt_bias=self.dt_bias, b=b)
+        return q, k, v, g, beta
 
+    def _decode_step(self, kn: Kernels, mixed_qkv: torch.Tensor, a: torch.Tensor,
+                     b: torch.Tensor, *, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
+                     slots: torch.Tensor) -> torch.Tensor:
+        """One token per request; conv window and state are read and written in the pool rows
+        ``slots`` (no gather or scatter). Returns o [N, HV, V]."""
+        mixed_qkv = kn.conv1d_update_in_place(x=mixed_qkv, conv_pool=conv_pool, slots=slots,
+                                              weight=self.conv1d.weight.squeeze(1),
+                                              activation="silu")
+        q, k, v, g, beta = self._heads_and_gates(kn, mixed_qkv, a, b)
+        return kn.gdn_decode_in_place(q=q, k=k, v=v, g=g, beta=beta, ssm_pool=ssm_pool,
+                                      slots=slots, use_qk_l2norm=True)
+
+    def _mix(self, kn: Kernels, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+             cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+             short: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv, gates and delta rule over packed sequences from the given states; nothing is
+        written.
+
+        Args:
+            mixed_qkv: [T, conv_dim] pre-conv rows. a, b: [T, HV] gate projections.
+            conv_state: [N, conv_dim, W-1]. ssm_state: [N, HV, V, K] (pool layout).
+            short: a few tokens per request (a verify block, or the accepted part of one):
+                the token recurrence, which decode also runs, instead of the chunked form.
+                It reads no length on the host, so a verify forward can be captured.
+
+        Returns:
+            o [T, HV, V], the new conv state [N, conv_dim, W-1] and the new ssm state
+            [N, HV, V, K] (pool layout).
+        """
+        mixed_qkv, new_conv = kn.conv1d_prefill(
+            x=mixed_qkv, weight=self.conv1d.weight.squeeze(1), cu_seqlens=cu_seqlens,
+            initial_state=conv_state, activation="silu")
+        q, k, v, g, beta = self._heads_and_gates(kn, mixed_qkv, a, b)
         # pool layout [HV, V, K] -> the ops' K-major [HV, K, V]
-        rule = kn.gdn_recurrent if single_step else kn.gdn_chunk
+        rule = kn.gdn_recurrent if short else kn.gdn_chunk
         o, final_state = rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
                               initial_state=ssm_state.transpose(-1, -2), use_qk_l2norm=True)
         return o, new_conv, final_state.transpose(-1, -2)
@@ -180,7 +240,7 @@ class GatedDeltaNet(nn.Module):
         _, new_conv, final_state = self._mix(
             kernels, buffers.qkv[layer, index], buffers.a[layer, index], buffers.b[layer, index],
             cu_seqlens=cu, conv_state=pool.conv[layer, slots], ssm_state=pool.ssm[layer, slots],
-            single_step=False)
+            short=True)
         pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
         pool.ssm[layer, slots] = final_state.to(pool.ssm.dtype)
 
@@ -202,37 +262,46 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, dtype)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+        self.qkv_proj = FusedProjection(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         kn, batch = ctx.kernels, ctx.batch
         num_tokens = x.shape[0]
-        qg = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)
+        qg, k, v = self.qkv_proj(x)
+        qg = qg.view(num_tokens, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
         q = self.q_norm(q, kn)
-        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim), kn)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim), kn)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = kn.rope(q=q, k=k, positions=batch.positions, inv_freq=ctx.inv_freq)
         # VERIFY writes all k tokens too: KV past a request's committed length is never read
         # (queries see positions < prefix + extend only) and the next forward overwrites it.
-        ctx.kv_pool.write(self.layer_id, batch.out_cache_loc, k, v)
+        kn.store_paged_kv(kv=ctx.kv_pool.layer_kv(self.layer_id), loc=batch.out_cache_loc,
+                          k=k, v=v)
         k_cache, v_cache = ctx.kv_pool.layer_cache(self.layer_id)
-        o = kn.paged_attention(q=q, k_cache=k_cache, v_cache=v_cache,
-                               page_table=batch.page_table, prefix_lens=batch.prefix_lens,
-                               extend_lens=batch.extend_lens, scale=self.scale)
+        if batch.attention is not None:
+            o = batch.attention.run(q, k_cache, v_cache)
+        else:
+            o = kn.paged_attention(q=q, k_cache=k_cache, v_cache=v_cache,
+                                   page_table=batch.page_table, prefix_lens=batch.prefix_lens,
+                                   extend_lens=batch.extend_lens, scale=self.scale)
         o = o.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(o)
 
 
 class DenseMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one GEMM."""
+
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, dtype)
         self.up_proj = Linear(hidden, intermediate, dtype)
         self.down_proj = Linear(intermediate, hidden, dtype)
+        self.gate_up_proj = FusedProjection(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        return kernels.silu_glu_mlp(x=x, gate_proj=self.gate_proj.weight,
-                                    up_proj=self.up_proj.weight, down_proj=self.down_proj.weight)
+        gate_up = F.linear(x, self.gate_up_proj.weight())  # [T, 2I]: gate | up
+        return self.down_proj(kernels.silu_and_mul(x=gate_up))
 
 
 class PackedExperts(nn.Module):

@@ -49,12 +49,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's update and the residual stream, kept apart so that each residual add
+        is fused with the norm after it: ``residual + x`` is this layer's input (``x`` alone
+        for the first layer, ``residual`` None), and the layer's output is ``out + residual``
+        of what it returns."""
         kn = ctx.kernels
-        h = self.input_layernorm(x, kn)
+        if residual is None:
+            h, residual = self.input_layernorm(x, kn), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual, kn)
         mixer = self.self_attn if self.is_full_attention else self.linear_attn
-        x = x + mixer(h, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x, kn), kn)
+        h, residual = self.post_attention_layernorm.add_forward(mixer(h, ctx), residual, kn)
+        return self.mlp(h, kn), residual
 
 
 class HybridModel(nn.Module):
@@ -83,14 +91,16 @@ class HybridModel(nn.Module):
         self.capture_layer_ids = ids
 
     def forward(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the final-normed hidden states ``[T, H]`` and the captured layer outputs."""
-        x = self.embed_tokens(ctx.batch.input_ids)
+        """Returns the last layer's output ``[T, H]`` (before the final norm, which
+        ``compute_logits`` applies to the selected rows) and the captured layer outputs."""
+        x, residual = self.embed_tokens(ctx.batch.input_ids), None
         captured = {}
         wanted = set(self.capture_layer_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx)
+            x, residual = layer(x, residual, ctx)
             if i in wanted:
-                captured[i] = x
+                captured[i] = x + residual
+        x = x + residual
         aux = (torch.cat([captured[i] for i in self.capture_layer_ids], dim=-1)
                if self.capture_layer_ids else None)
         return x, aux

@@ -4,8 +4,9 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
 
 - ``reference``: plain torch everywhere (CPU or GPU; the definition of the numbers).
 - ``gpu``: the fastest backends measured on H200 (docs/kernels.md): FlashInfer chunked GDN
-  prefill (128-dim heads; other head dims and fp32 go to fla), fla recurrent step (our Triton
-  kernel when per-token states are asked for), our Triton conv1d, our Triton in-place decode
+  prefill (128-dim heads; other head dims and fp32 go to fla), our Triton token recurrence
+  (verify blocks and their commits: no host read, so a verify forward can be captured in a CUDA
+  graph; faster than fla's at decode sizes), our Triton conv1d, our Triton in-place decode
   steps on the state pool (conv and recurrence), FlashInfer paged attention (fp16/bf16 with head
   dim 64/128/256; anything else goes to the reference), our Triton DFLASH draft block attention.
 - ``gpu-fla``: as ``gpu`` but with fla's chunked prefill, for machines whose FlashInfer lacks
@@ -27,7 +28,7 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
     "reference": {},
     "gpu": {
         "chunk_gated_delta_rule": "flashinfer",
-        "recurrent_gated_delta_rule": "fla",
+        "recurrent_gated_delta_rule": "triton",
         "causal_conv1d_prefill": "triton",
         "causal_conv1d_update": "triton",
         "gdn_decode_in_place": "triton",
@@ -44,7 +45,7 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
     },
     "gpu-fla": {
         "chunk_gated_delta_rule": "fla",
-        "recurrent_gated_delta_rule": "fla",
+        "recurrent_gated_delta_rule": "triton",
         "causal_conv1d_prefill": "triton",
         "causal_conv1d_update": "triton",
         "gdn_decode_in_place": "triton",

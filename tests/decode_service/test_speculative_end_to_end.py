@@ -48,9 +48,9 @@ class Oracle:
         self.real = speculator.propose
         self.mode, self.steps = "real", 0
 
-    def __call__(self, requests, page_table):
+    def __call__(self, requests, pages):
         if self.mode == "real":
-            return self.real(requests, page_table)
+            return self.real(requests, pages)
         b = self.speculator.block_size
         rows = []
         for r in requests:

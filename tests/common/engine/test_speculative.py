@@ -27,7 +27,7 @@ CACHE = CacheConfig(page_size=4, num_pages=400, num_slots=12)
 
 def all_accepting(speculator, expected):
     """Replace the draft's proposals with the true greedy continuation."""
-    def propose(requests, page_table):
+    def propose(requests, pages):
         b = speculator.block_size
         rows = [(expected[tuple(r.prompt_ids)][len(r.output_ids):] + [0] * b)[:b - 1]
                 for r in requests]

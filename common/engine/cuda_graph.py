@@ -1,0 +1,272 @@
+"""CUDA-graph replay of fixed-shape forwards: the decode step, and a DFLASH step's verify.
+
+Every request of such a forward has ``q_len`` new tokens (decode: 1; verify: the block size), so
+one graph per batch size covers every step: a step of n requests runs the graph of the smallest
+captured size >= n. The extra rows are padding: token 0 at position 0, written to flat KV slot 0
+and GDN state slot 0 (page 0 and slot 0 are scratch, never handed to a request), attending to
+scratch page 0 only; their logits are dropped.
+
+The model reads its inputs from fixed device buffers (:class:`StaticInputs`); a step copies the
+real requests' ids, positions, KV slots and state slots into them with one host-to-device copy,
+refreshes the attention plan (``common.ops.attention``), and replays. With ``capture=False`` the
+same buffers and padding run eagerly, which is how the CPU tests check the padded path.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common.cache.kv_pool import KVPool
+from common.cache.state_pool import GDNStatePool
+from common.engine.request import Request
+from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
+from common.ops.attention.planned import TorchPlannedAttention
+
+log = logging.getLogger(__name__)
+
+# as SGLang and vLLM: every small size, then coarser steps where padding costs little
+_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224,
+                256, 320, 384, 448, 512)
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """How the decode step (and a DFLASH step's verify) runs on a CUDA device.
+
+    Attributes:
+        enabled: capture and replay graphs (CUDA devices only; ignored on the CPU).
+        max_batch_size: the largest captured batch; bigger steps run eagerly. It is also
+            capped by the scheduler's ``max_running_requests``.
+        capture: False runs the graph path's fixed buffers and padding eagerly (any device):
+            for tests and for telling a capture problem from a padding problem.
+    """
+
+    enabled: bool = True
+    max_batch_size: int = 256
+    capture: bool = True
+
+    def batch_sizes(self, max_running: int) -> tuple[int, ...]:
+        top = max(1, min(self.max_batch_size, max_running))
+        return tuple(s for s in _BATCH_SIZES if s < top) + (top,)
+
+
+class StaticInputs:
+    """The fixed device buffers a graph reads: per row, ``q_len`` token ids, positions and
+    flat KV slots, and one GDN state slot. Row r's tokens are entries r*q_len .. r*q_len+q_len-1.
+    One packed int64 buffer, so a step's inputs are a single host-to-device copy."""
+
+    def __init__(self, max_rows: int, q_len: int, device: torch.device) -> None:
+        self.max_rows, self.q_len = max_rows, q_len
+        t = max_rows * q_len
+        self.packed = torch.zeros(3 * t + max_rows, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.out_cache_loc, self.state_slots = torch.split(
+            self.packed, [t, t, t, max_rows])
+        self.cu_seqlens = torch.arange(max_rows + 1, dtype=torch.int64, device=device) * q_len
+        self.logits_positions = torch.arange(t, dtype=torch.int64, device=device)
+        self._host = torch.zeros_like(self.packed, device="cpu")
+        if device.type == "cuda":
+            self._host = self._host.pin_memory()
+
+    def fill(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int],
+             page_ids: Sequence[Sequence[int]], slots: Sequence[int], page_size: int) -> None:
+        """Rows given are the real requests; the rest become padding (all zeros: token 0 at
+        position 0 in scratch KV slot 0 and scratch state slot 0)."""
+        t = self.max_rows * self.q_len
+        host = self._host
+        host.zero_()
+        ids, pos, loc = [], [], []
+        for toks, start, pages in zip(token_ids, starts, page_ids):
+            for i, tok in enumerate(toks):
+                p = start + i
+                ids.append(tok)
+                pos.append(p)
+                loc.append(pages[p // page_size] * page_size + p % page_size)
+        n = len(ids)
+        host[:n] = torch.tensor(ids, dtype=torch.int64)
+        host[t:t + n] = torch.tensor(pos, dtype=torch.int64)
+        host[2 * t:2 * t + n] = torch.tensor(loc, dtype=torch.int64)
+        host[3 * t:3 * t + len(slots)] = torch.tensor(list(slots), dtype=torch.int64)
+        self.packed.copy_(host, non_blocking=True)
+
+    def batch(self, mode: ForwardMode, rows: int, attention) -> ForwardBatch:
+        """The ForwardBatch of the first ``rows`` rows (views of the buffers). Its host lists
+        describe the shape only: a graph forward reads lengths from ``cu_seqlens`` and the
+        attention plan, never from the lists."""
+        t = rows * self.q_len
+        return ForwardBatch(
+            mode=mode, input_ids=self.input_ids[:t], positions=self.positions[:t],
+            prefix_lens=[0] * rows, extend_lens=[self.q_len] * rows,
+            page_table=torch.zeros(rows, 1, dtype=torch.int32, device=self.packed.device),
+            out_cache_loc=self.out_cache_loc[:t], state_slots=self.state_slots[:rows],
+            logits_positions=self.logits_positions[:t], cu_seqlens=self.cu_seqlens[:rows + 1],
+            attention=attention)
+
+
+def _attention_plan(model: HybridForCausalLM, kv_pool: KVPool, *, rows: int, q_len: int,
+                    capture: bool, workspace: torch.Tensor | None):
+    c = model.config
+    scale = c.head_dim ** -0.5
+    backend = dict(model.kernels.backends).get("paged_attention")
+    if backend == "flashinfer" and kv_pool.kv.is_cuda:
+        from common.ops.attention.flashinfer_graph import FlashInferGraphAttention
+
+        return FlashInferGraphAttention(
+            batch_size=rows, q_len=q_len, num_qo_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            page_size=kv_pool.page_size,
+            max_pages=kv_pool.num_pages + rows * kv_pool.pages_for(q_len),
+            dtype=kv_pool.kv.dtype, scale=scale, float_workspace=workspace)
+    if capture:
+        raise ValueError(f"CUDA graphs need a capturable attention backend (flashinfer), not "
+                         f"{backend!r}: choose --kernels gpu, or turn graphs off")
+    return TorchPlannedAttention(model.kernels.paged_attention, q_len=q_len, scale=scale,
+                                 device=kv_pool.kv.device)
+
+
+class GraphRunner:
+    """Runs fixed-shape forwards of ``mode`` (DECODE with q_len 1, or VERIFY with q_len B) of the
+    target model from one CUDA graph per batch size.
+
+    Call :meth:`capture` once the model's kernels are warm (a worker does it in warm-up); until
+    then (and for batches larger than the largest size) :meth:`serves` is False and the caller
+    runs the forward eagerly.
+    """
+
+    def __init__(self, model: HybridForCausalLM, kv_pool: KVPool, state_pool: GDNStatePool, *,
+                 batch_sizes: Sequence[int], mode: ForwardMode = ForwardMode.DECODE,
+                 q_len: int = 1, capture: bool = True) -> None:
+        if mode == ForwardMode.DECODE and q_len != 1:
+            raise ValueError("a DECODE graph has one new token per request")
+        if mode == ForwardMode.EXTEND:
+            raise ValueError("EXTEND batches have varying lengths and are not captured")
+        self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
+        self.mode, self.q_len, self.capture_graphs = mode, q_len, capture
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        device = kv_pool.kv.device
+        self.inputs = StaticInputs(self.batch_sizes[-1], q_len, device)
+        workspace = None
+        if device.type == "cuda":
+            from common.ops.attention.flashinfer_graph import workspace as make_workspace
+
+            workspace = make_workspace(device) if dict(model.kernels.backends).get(
+                "paged_attention") == "flashinfer" else None
+        self.attention = {bs: _attention_plan(model, kv_pool, rows=bs, q_len=q_len,
+                                              capture=capture, workspace=workspace)
+                          for bs in self.batch_sizes}
+        self.batches = {bs: self.inputs.batch(mode, bs, self.attention[bs])
+                        for bs in self.batch_sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, ModelOutput] = {}
+        self.captured = not capture  # the eager variant needs no capture
+
+    def serves(self, num_requests: int) -> bool:
+        return self.captured and 0 < num_requests <= self.batch_sizes[-1]
+
+    def padded_size(self, num_requests: int) -> int:
+        return next(bs for bs in self.batch_sizes if bs >= num_requests)
+
+    def _plan(self, bs: int, page_ids: list[list[int]], seq_lens: list[int]) -> None:
+        pad_pages = [0] * self.kv_pool.pages_for(self.q_len)
+        missing = bs - len(seq_lens)
+        self.attention[bs].plan(page_ids + [pad_pages] * missing,
+                                seq_lens + [self.q_len] * missing)
+
+    def capture(self, progress: bool = True) -> None:
+        """Capture one graph per batch size (largest first, sharing one memory pool)."""
+        if not self.capture_graphs or self.captured:
+            return
+
+        def pad_everything(bs: int) -> None:
+            self.inputs.fill([], [], [], [], self.kv_pool.page_size)
+            self._plan(bs, [], [])
+
+        self.graphs, self.outputs = capture_graphs(
+            self.batch_sizes, prepare=pad_everything,
+            forward=lambda bs: self._forward(self.batches[bs]),
+            label=f"{self.mode.value} graphs", progress=progress)
+        self.captured = True
+
+    def _forward(self, batch: ForwardBatch) -> ModelOutput:
+        return self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+
+    def run(self, requests: Sequence[Request], token_ids: Sequence[Sequence[int]]
+            ) -> tuple[ModelOutput, ForwardBatch]:
+        """Forward ``token_ids[r]`` (q_len each) of every request at positions ``num_cached..``.
+
+        Returns the output of the real rows (logits ``[n * q_len, V]``, views of the graph's
+        buffers, valid until the next run) and the padded batch (for a VERIFY commit).
+        Does not advance ``num_cached``.
+        """
+        n = len(requests)
+        bs = self.padded_size(n)
+        q_len, page_size = self.q_len, self.kv_pool.page_size
+        seq_lens = [r.num_cached + q_len for r in requests]
+        pages = [r.page_ids[:self.kv_pool.pages_for(s)] for r, s in zip(requests, seq_lens)]
+        self.inputs.fill(token_ids, [r.num_cached for r in requests], pages,
+                         [r.slot for r in requests], page_size)
+        self._plan(bs, pages, seq_lens)
+        batch = self.batches[bs]
+        if self.mode == ForwardMode.VERIFY:
+            # the captured forward began its verify record at capture time; a replay does not
+            # run Python, so the record of this step starts here
+            self.state_pool.begin_verify(batch)
+        if self.capture_graphs:
+            self.graphs[bs].replay()
+            out = self.outputs[bs]
+        else:
+            out = self._forward(batch)
+        t = n * q_len
+        aux = None if out.aux_hidden_states is None else out.aux_hidden_states[:t]
+        return ModelOutput(logits=out.logits[:t], aux_hidden_states=aux), batch
+
+
+def capture_graphs(batch_sizes: Sequence[int], *, prepare: Callable[[int], None],
+                   forward: Callable[[int], Any], label: str, progress: bool = True
+                   ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, Any]]:
+    """One CUDA graph of ``forward(bs)`` per batch size, largest first in one memory pool.
+
+    ``prepare(bs)`` fills the inputs with padding before the warm-up runs: two eager runs per
+    size, outside the capture, so that Triton compiles and autotunes and lazy buffers exist.
+    Returns the graphs and the outputs their replays write.
+    """
+    pool = torch.cuda.graph_pool_handle()
+    sizes = sorted(batch_sizes, reverse=True)
+    graphs, outputs = {}, {}
+    start = time.perf_counter()
+    for i, bs in enumerate(sizes):
+        if progress:
+            _progress(label, i, len(sizes), bs)
+        prepare(bs)
+        for _ in range(2):
+            forward(bs)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[bs] = forward(bs)
+        graphs[bs] = graph
+    torch.cuda.synchronize()
+    if progress:
+        _progress(label, len(sizes), len(sizes), sizes[-1])
+    log.info("captured %d %s (batch %s) in %.1f s", len(sizes), label,
+             ",".join(map(str, sorted(sizes))), time.perf_counter() - start)
+    return graphs, outputs
+
+
+def _progress(label: str, done: int, total: int, bs: int) -> None:
+    """A one-line progress bar on a terminal; log lines otherwise (worker logs are files)."""
+    if sys.stderr.isatty():
+        bar = "#" * (24 * done // total)
+        sys.stderr.write(f"\rCapturing {label} [{bar:<24}] {done}/{total} (batch {bs})")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+    elif done < total and done % 4 == 0:
+        log.info("capturing %s: %d/%d (batch %d)", label, done, total, bs)

@@ -1,0 +1,66 @@
+"""Paged attention planned once per forward for batches whose requests all have ``q_len`` new
+tokens (decode: 1; speculative verify: the block size), as CUDA-graph runners need it.
+
+A plan is made for a fixed number of rows (the captured batch size); :meth:`plan` is called
+before every forward with the real requests' pages and lengths (padding rows included), and every
+full-attention layer then calls :meth:`run`. Two implementations:
+
+- :class:`TorchPlannedAttention` calls any ``paged_attention`` kernel with a page table built by
+  :meth:`plan`. It cannot be captured (the kernels read lengths on the host); it is what a runner
+  uses when graphs are off, so padding and static buffers are exercised on the CPU too.
+- ``common.ops.attention.flashinfer_graph.FlashInferGraphAttention`` keeps FlashInfer's
+  indices in fixed device buffers, so the run is capturable and the plan is a buffer update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["TorchPlannedAttention", "page_layout"]
+
+
+def page_layout(page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size: int
+                ) -> tuple[list[int], list[int], list[int]]:
+    """FlashInfer's ragged page description of rows with ``seq_lens`` tokens each.
+
+    Returns (indptr [N+1], indices [sum pages], last_page_len [N]) as host lists: row r uses
+    its first ``ceil(seq_lens[r] / page_size)`` pages.
+    """
+    indptr, indices, last = [0], [], []
+    for pages, length in zip(page_ids, seq_lens):
+        used = -(-length // page_size)
+        if used > len(pages):
+            raise ValueError(f"{length} tokens need {used} pages, the row has {len(pages)}")
+        indices.extend(pages[:used])
+        indptr.append(len(indices))
+        last.append(length - (used - 1) * page_size)
+    return indptr, indices, last
+
+
+class TorchPlannedAttention:
+    """``paged_attention(q, k_cache, v_cache, page_table, prefix_lens, extend_lens, scale)``
+    over the rows given to :meth:`plan`, each with ``q_len`` new tokens at its end."""
+
+    def __init__(self, paged_attention: Callable, *, q_len: int, scale: float,
+                 device: torch.device | str) -> None:
+        self.fn, self.q_len, self.scale = paged_attention, q_len, scale
+        self.device = torch.device(device)
+        self.page_table: torch.Tensor | None = None
+        self.seq_lens: list[int] = []
+
+    def plan(self, page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int]) -> None:
+        if any(s < self.q_len for s in seq_lens):
+            raise ValueError(f"every row needs at least q_len = {self.q_len} tokens")
+        width = max(len(p) for p in page_ids)
+        table = [list(p) + [0] * (width - len(p)) for p in page_ids]
+        self.page_table = torch.tensor(table, dtype=torch.int32, device=self.device)
+        self.seq_lens = list(seq_lens)
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if self.page_table is None:
+            raise RuntimeError("run() before plan()")
+        return self.fn(q=q, k_cache=k_cache, v_cache=v_cache, page_table=self.page_table,
+                       prefix_lens=[s - self.q_len for s in self.seq_lens],
+                       extend_lens=[self.q_len] * len(self.seq_lens), scale=self.scale)
