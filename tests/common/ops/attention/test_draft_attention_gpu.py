@@ -94,9 +94,9 @@ def check(got, want, dtype, record, name="o"):
         assert rm <= 1e-2 and cs >= 0.9999, (rm, cs)
 
 
-@pytest.mark.parametrize("n,b", [(1, 16), (3, 4), (7, 8), (7, 16)])
+@pytest.mark.parametrize("n,b", [(1, 16), (7, 8)])
 @pytest.mark.parametrize("heads,kv_heads", [(32, 8), (8, 8)])
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim", [128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("causal,window", MASKS, ids=["causal", "full", "causal_w7", "full_w7"])
 def test_triton_matches_reference(record_metric, n, b, heads, kv_heads, head_dim, dtype, causal,
