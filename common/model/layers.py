@@ -165,8 +165,8 @@ class GatedDeltaNet(nn.Module):
                 pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
                 pool.ssm[layer, slots] = final_state.to(pool.ssm.dtype)
 
-        o = kn.gated_rms_norm(x=o.reshape(-1, self.head_v_dim).to(x.dtype),
-                              gate=z.reshape(-1, self.head_v_dim), weight=self.norm.weight,
+        # [T, HV, V] as they are: z's rows are strided, and flattening it would copy it
+        o = kn.gated_rms_norm(x=o.to(x.dtype), gate=z, weight=self.norm.weight,
                               eps=self.norm.eps)
         return self.out_proj(o.reshape(num_tokens, self.value_dim))
 
@@ -285,7 +285,8 @@ class GatedAttention(nn.Module):
             o = kn.paged_attention(q=q, k_cache=k_cache, v_cache=v_cache,
                                    page_table=batch.page_table, prefix_lens=batch.prefix_lens,
                                    extend_lens=batch.extend_lens, scale=self.scale)
-        o = o.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
+        o = (o.view(num_tokens, self.num_heads, self.head_dim) * torch.sigmoid(gate)).view(
+            num_tokens, -1)
         return self.o_proj(o)
 
 

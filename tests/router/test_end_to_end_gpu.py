@@ -50,6 +50,7 @@ def single_process(target_path: str, draft_path: str | None) -> list[list[int]]:
     model = load_model(target_path, device="cuda", kernels=select_kernels("gpu"))
     draft = load_draft(draft_path, model) if draft_path else None
     engine = LLMEngine(model, EngineConfig(device="cuda"), draft=draft)
+    engine.warmup()  # captures the CUDA graphs, as the decode worker does: the same kernels
     # one request at a time, as the cluster test sends them: the same batches on both sides
     out = [engine.generate([p], GREEDY)[0].output_ids for p in PROMPTS]
     del engine, model, draft
