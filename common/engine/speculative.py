@@ -148,6 +148,8 @@ class DFlashSpeculator:
 
     def _accept(self, requests, drafts, logits, seed_for) -> list[Acceptance]:
         greedy_rows = [i for i, r in enumerate(requests) if r.params.is_greedy]
+        if len(greedy_rows) == len(requests):  # no index tensor to copy to the device
+            return accept_greedy(drafts, logits)
         result: list[Acceptance | None] = [None] * len(requests)
         if greedy_rows:
             index = torch.tensor(greedy_rows, device=logits.device)

@@ -221,7 +221,7 @@ class GatedDeltaNet(nn.Module):
         return o, new_conv, final_state.transpose(-1, -2)
 
     def commit_verified(self, *, kernels: Kernels, pool: GDNStatePool, slots: torch.Tensor,
-                        index: torch.Tensor, accepted_lens: list[int]) -> None:
+                        index: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
         """Fold the first ``accepted_lens[r]`` verified tokens of each request into its slot.
 
         Replays conv and delta rule from the committed state over the recorded inputs, with the
@@ -230,17 +230,17 @@ class GatedDeltaNet(nn.Module):
         Args:
             slots: [N] state slots of the verified requests.
             index: [sum(accepted_lens)] verify-buffer rows of the accepted tokens, request order.
-            accepted_lens: N tokens to keep per request.
+            cu_seqlens: [N+1] offsets of each request's accepted tokens in ``index``, on the
+                pool's device (built once for all layers: a host tensor would be copied to the
+                device, and so waited for, twice per layer).
         """
         layer = pool.layer_index(self.layer_id)
         buffers = pool.verify
-        cu = torch.zeros(len(accepted_lens) + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(torch.tensor(accepted_lens, dtype=torch.int64), 0)
         # NOTE: the output o is computed and dropped; a fused commit kernel would skip it.
         _, new_conv, final_state = self._mix(
             kernels, buffers.qkv[layer, index], buffers.a[layer, index], buffers.b[layer, index],
-            cu_seqlens=cu, conv_state=pool.conv[layer, slots], ssm_state=pool.ssm[layer, slots],
-            short=True)
+            cu_seqlens=cu_seqlens, conv_state=pool.conv[layer, slots],
+            ssm_state=pool.ssm[layer, slots], short=True)
         pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
         pool.ssm[layer, slots] = final_state.to(pool.ssm.dtype)
 

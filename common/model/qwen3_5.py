@@ -112,11 +112,15 @@ class HybridModel(nn.Module):
         if buffers is None:
             raise ValueError("commit without a pending VERIFY forward (no verify buffers)")
         index = buffers.accepted_index(batch, accepted_lens)
+        bounds = [0]
+        for j in accepted_lens:
+            bounds.append(bounds[-1] + j)
+        cu = torch.tensor(bounds, dtype=torch.int64, device=index.device)
         for layer in self.layers:
             if not layer.is_full_attention:
                 layer.linear_attn.commit_verified(
                     kernels=kernels, pool=state_pool, slots=batch.state_slots, index=index,
-                    accepted_lens=accepted_lens)
+                    cu_seqlens=cu)
         buffers.finish()
 
 
