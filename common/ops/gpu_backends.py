@@ -24,42 +24,28 @@ from common.ops.registry import GPU_OPS, REFERENCE_BACKEND, REFERENCE_OPS, OpReg
 
 __all__ = ["BACKEND_SETS", "backends_for", "chosen_backends", "describe", "select_kernels"]
 
+_GPU = {
+    "chunk_gated_delta_rule": "flashinfer",
+    "recurrent_gated_delta_rule": "triton",
+    "causal_conv1d_prefill": "triton",
+    "causal_conv1d_update": "triton",
+    "gdn_decode_in_place": "triton",
+    "conv1d_update_in_place": "triton",
+    "paged_attention": "flashinfer",
+    "draft_block_attention": "triton",
+    "rms_norm": "triton",
+    "gated_rms_norm": "triton",
+    "gdn_gating": "triton",
+    "apply_rope": "triton",
+    "add_rms_norm": "triton",
+    "silu_and_mul": "triton",
+    "store_paged_kv": "triton",
+}
+
 BACKEND_SETS: dict[str, dict[str, str]] = {
     "reference": {},
-    "gpu": {
-        "chunk_gated_delta_rule": "flashinfer",
-        "recurrent_gated_delta_rule": "triton",
-        "causal_conv1d_prefill": "triton",
-        "causal_conv1d_update": "triton",
-        "gdn_decode_in_place": "triton",
-        "conv1d_update_in_place": "triton",
-        "paged_attention": "flashinfer",
-        "draft_block_attention": "triton",
-        "rms_norm": "triton",
-        "gated_rms_norm": "triton",
-        "gdn_gating": "triton",
-        "apply_rope": "triton",
-        "add_rms_norm": "triton",
-        "silu_and_mul": "triton",
-        "store_paged_kv": "triton",
-    },
-    "gpu-fla": {
-        "chunk_gated_delta_rule": "fla",
-        "recurrent_gated_delta_rule": "triton",
-        "causal_conv1d_prefill": "triton",
-        "causal_conv1d_update": "triton",
-        "gdn_decode_in_place": "triton",
-        "conv1d_update_in_place": "triton",
-        "paged_attention": "flashinfer",
-        "draft_block_attention": "triton",
-        "rms_norm": "triton",
-        "gated_rms_norm": "triton",
-        "gdn_gating": "triton",
-        "apply_rope": "triton",
-        "add_rms_norm": "triton",
-        "silu_and_mul": "triton",
-        "store_paged_kv": "triton",
-    },
+    "gpu": _GPU,
+    "gpu-fla": {**_GPU, "chunk_gated_delta_rule": "fla"},
 }
 
 

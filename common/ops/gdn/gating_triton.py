@@ -10,41 +10,19 @@ and FMA contraction is off, so the results match the reference to the last bit o
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from common.ops.gdn import reference
+from common.ops.triton_math import INTERPRET as _INTERPRET, exp as _exp, log1p as _log1p
 
 __all__ = ["gdn_gating"]
 
-# TRITON_INTERPRET=1 runs the kernel on CPU tensors, where libdevice is unavailable.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_LIBDEVICE = tl.constexpr(not _INTERPRET)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE = 1024  # elements per program
 _SOFTPLUS_THRESHOLD = 20.0  # F.softplus's default: above it softplus(x) is x
-
-
-@triton.jit
-def _exp(v):
-    if _LIBDEVICE:
-        return libdevice.exp(v)
-    else:
-        return tl.exp(v)
-
-
-@triton.jit
-def _log1p(u):
-    if _LIBDEVICE:
-        return libdevice.log1p(u)
-    else:
-        # log(1 + u) * u / ((1 + u) - 1) cancels the rounding of 1 + u (accurate for tiny u)
-        w = 1.0 + u
-        return tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
 
 
 @triton.jit

@@ -14,30 +14,18 @@ decode step spreads an intermediate size of ~10k over several programs.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from common.ops.mlp import reference
+from common.ops.triton_math import INTERPRET as _INTERPRET, exp as _exp
 
 __all__ = ["silu_and_mul"]
 
-# TRITON_INTERPRET=1 runs the kernel on CPU tensors (fp32/fp16), where libdevice is unavailable.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_LIBDEVICE = tl.constexpr(not _INTERPRET)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK = 1024  # columns per program
-
-
-@triton.jit
-def _exp(v):
-    if _LIBDEVICE:
-        return libdevice.exp(v)
-    else:
-        return tl.exp(v)
 
 
 @triton.jit

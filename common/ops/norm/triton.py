@@ -21,20 +21,16 @@ squares, then the scaled output).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from common.ops.norm import reference
+from common.ops.triton_math import INTERPRET as _INTERPRET, exp as _exp, rsqrt as _rsqrt
 
 __all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm"]
 
-# TRITON_INTERPRET=1 runs the kernels on CPU tensors (fp32/fp16), where libdevice is unavailable.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_LIBDEVICE = tl.constexpr(not _INTERPRET)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK_H = 8192  # one row held in registers up to this width
 _TILE = 4096  # elements per program when several short rows share one
@@ -55,22 +51,6 @@ def _row_offsets(rows, n1, n2, n3, s0, s1, s2, s3):
     i1 = rest % n1
     i0 = rest // n1
     return i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3
-
-
-@triton.jit
-def _exp(v):
-    if _LIBDEVICE:
-        return libdevice.exp(v)
-    else:
-        return tl.exp(v)
-
-
-@triton.jit
-def _rsqrt(v):
-    if _LIBDEVICE:
-        return libdevice.rsqrt(v)
-    else:
-        return tl.rsqrt(v)
 
 
 @triton.jit

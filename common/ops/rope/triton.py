@@ -15,7 +15,6 @@ heads or of k heads and computes that token's cos/sin once.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -23,12 +22,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from common.ops.rope import reference
+from common.ops.triton_math import INTERPRET as _INTERPRET, LIBDEVICE as _LIBDEVICE
 
 __all__ = ["apply_rope"]
 
-# TRITON_INTERPRET=1 runs the kernel on CPU tensors (fp32/fp16), where libdevice is unavailable.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_LIBDEVICE = tl.constexpr(not _INTERPRET)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HEADS = 16  # heads per program
 
