@@ -197,10 +197,13 @@ class WorkerRegistry:
 
     async def poll_once(self) -> None:
         """Ask every due worker for its load, concurrently, and record the outcomes."""
-        await asyncio.gather(*(self._poll(w) for w in self.due()))
-
-    async def _poll(self, w: WorkerState) -> None:
+        # NOTE: the time of asking is taken with the list of due workers, not when each poll
+        # task first runs: a failure recorded in between (the dispatcher's mark_failed) must
+        # make the answer stale, or a worker marked down would come straight back.
         asked_at = self._clock()
+        await asyncio.gather(*(self._poll(w, asked_at) for w in self.due()))
+
+    async def _poll(self, w: WorkerState, asked_at: float) -> None:
         try:
             report = await asyncio.wait_for(self._fetch_load(w.address, w.kind),
                                             self.config.poll_timeout_s)
