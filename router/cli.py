@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in _WORKER_FLAGS:
         up.add_argument(flag, default=None, help="passed to every worker")
     up.add_argument("--disable-cuda-graph", action="store_true", help="passed to every worker")
+    up.add_argument("--enable-overlap-schedule", action="store_true",
+                    help="passed to every worker")
     up.add_argument("--start-timeout", type=float, default=600.0,
                     help="seconds each process may take to become ready")
     up.add_argument("--quiet", action="store_true", help="do not echo the processes' logs")
@@ -191,8 +193,9 @@ def cluster_config_from_args(args: argparse.Namespace):
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             worker_args += [flag, str(value)]
-    if args.disable_cuda_graph:
-        worker_args.append("--disable-cuda-graph")
+    for flag in ("--disable-cuda-graph", "--enable-overlap-schedule"):
+        if getattr(args, flag.lstrip("-").replace("-", "_")):
+            worker_args.append(flag)
     devices = tuple(d for d in (args.device or "").split(",") if d)
     return ClusterConfig(model=args.model, host=args.host, router_port=args.port,
                          num_prefill=args.prefill_workers, num_decode=args.decode_workers,

@@ -71,19 +71,25 @@ class StaticInputs:
             self.packed, [t, t, t, max_rows])
         self.cu_seqlens = torch.arange(max_rows + 1, dtype=torch.int64, device=device) * q_len
         self.logits_positions = torch.arange(t, dtype=torch.int64, device=device)
-        self._host = torch.zeros_like(self.packed, device="cpu")
+        # two staging buffers, used in turn: a step may be filled while the copy of the one
+        # before it has not run yet (overlap scheduling)
+        self._hosts = [torch.zeros_like(self.packed, device="cpu") for _ in range(2)]
         if device.type == "cuda":
-            self._host = self._host.pin_memory()
+            self._hosts = [h.pin_memory() for h in self._hosts]
+        self._turn = 0
 
-    def fill(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int],
+    def fill(self, token_ids: Sequence[Sequence[int]] | None, starts: Sequence[int],
              page_ids: Sequence[Sequence[int]], slots: Sequence[int], page_size: int) -> None:
         """Rows given are the real requests; the rest become padding (all zeros: token 0 at
-        position 0 in scratch KV slot 0 and scratch state slot 0)."""
+        position 0 in scratch KV slot 0 and scratch state slot 0). ``token_ids`` None leaves
+        the ids zero, for the caller to write on the device."""
         t = self.max_rows * self.q_len
-        host = self._host
+        host = self._hosts[self._turn]
+        self._turn ^= 1
         host.zero_()
         ids, pos, loc = [], [], []
-        for toks, start, pages in zip(token_ids, starts, page_ids):
+        for r, (start, pages) in enumerate(zip(starts, page_ids)):
+            toks = token_ids[r] if token_ids is not None else [0] * self.q_len
             for i, tok in enumerate(toks):
                 p = start + i
                 ids.append(tok)
@@ -166,6 +172,7 @@ class GraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, ModelOutput] = {}
         self.captured = not capture  # the eager variant needs no capture
+        self._planned: torch.cuda.Event | None = None
 
     def serves(self, num_requests: int) -> bool:
         return self.captured and 0 < num_requests <= self.batch_sizes[-1]
@@ -197,9 +204,14 @@ class GraphRunner:
     def _forward(self, batch: ForwardBatch) -> ModelOutput:
         return self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
 
-    def run(self, requests: Sequence[Request], token_ids: Sequence[Sequence[int]]
+    def run(self, requests: Sequence[Request], token_ids: Sequence[Sequence[int]] | None, *,
+            input_ids: Callable[[torch.Tensor], torch.Tensor] | None = None
             ) -> tuple[ModelOutput, ForwardBatch]:
         """Forward ``token_ids[r]`` (q_len each) of every request at positions ``num_cached..``.
+
+        ``input_ids``, instead of ``token_ids``: a function of the rows' state slots (a device
+        tensor) returning their ``[n * q_len]`` ids on the device, for ids the host has not
+        read yet (overlap scheduling).
 
         Returns the output of the real rows (logits ``[n * q_len, V]``, views of the graph's
         buffers, valid until the next run) and the padded batch (for a VERIFY commit).
@@ -212,7 +224,17 @@ class GraphRunner:
         pages = [r.page_ids[:self.kv_pool.pages_for(s)] for r, s in zip(requests, seq_lens)]
         self.inputs.fill(token_ids, [r.num_cached for r in requests], pages,
                          [r.slot for r in requests], page_size)
+        if input_ids is not None:
+            self.inputs.input_ids[:n * q_len].copy_(input_ids(self.inputs.state_slots[:n]))
+        if self._planned is not None:
+            # FlashInfer plans stage through one pinned host buffer: the previous plan's copy
+            # must have left it (long done unless steps overlap, and then it is the step
+            # before the previous one that has to be finished)
+            self._planned.synchronize()
         self._plan(bs, pages, seq_lens)
+        if self.kv_pool.kv.is_cuda:
+            self._planned = torch.cuda.Event()
+            self._planned.record()
         batch = self.batches[bs]
         if self.mode == ForwardMode.VERIFY:
             # the captured forward began its verify record at capture time; a replay does not

@@ -12,6 +12,7 @@ from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
 from common.engine.cuda_graph import CudaGraphConfig, GraphRunner
 from common.engine.model_runner import ModelRunner
+from common.engine.overlap import InFlight, OverlapDecoder
 from common.engine.request import Request
 from common.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from common.engine.speculative import DFlashSpeculator
@@ -39,6 +40,9 @@ class EngineConfig:
     # until release(), so its state can be handed to a decode worker
     hold_after_prefill: bool = False
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    # launch decode step n+1 before reading step n's tokens (docs/cuda_graphs.md); needs the
+    # decode graph runner, so it is off where graphs are
+    overlap_schedule: bool = False
 
 
 @dataclass
@@ -97,6 +101,9 @@ class LLMEngine:
                                    self.kv_pool, self.state_pool)
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device,
                                   graphs=self._decode_graphs())
+        self.overlap = None
+        if config.overlap_schedule and self.runner.graphs is not None:
+            self.overlap = OverlapDecoder(self.runner.graphs, config.cache.num_slots)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -169,6 +176,8 @@ class LLMEngine:
                       speculative=speculative)
         self.requests[request_id] = req
         self.scheduler.admit_prefilled(req)
+        if self.overlap is not None:
+            self.overlap.note_tokens([slot], torch.tensor([first_token]))
         return self._append(req, first_token)
 
     def abort(self, request_id: str) -> bool:
@@ -187,10 +196,39 @@ class LLMEngine:
     def has_work(self) -> bool:
         """A step now would compute something (False while every waiting request waits for
         room that only a release can make)."""
-        return self.scheduler.can_schedule()
+        in_flight = self.overlap is not None and self.overlap.in_flight is not None
+        return in_flight or self.scheduler.can_schedule()
 
     def step(self) -> list[TokenEvent]:
-        """Run one scheduled step; return the tokens it produced, in order per request."""
+        """Run one scheduled step; return the tokens it produced, in order per request.
+
+        With overlap scheduling a plain decode step is launched and the tokens returned are
+        those of the step launched before it."""
+        if self.overlap is None:
+            return self._step()
+        running = self.scheduler.running
+        if running and not self.scheduler.waiting and self.overlap.can_launch(running):
+            step = self.scheduler.schedule()  # DECODE of every running request
+            return self._collect(self.overlap.launch(step.requests, self._sample_launched))
+        return self._collect(self.overlap.take()) + self._step()
+
+    def _sample_launched(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Tokens of an overlapped step, on the device: each request's position counts the
+        token still in flight."""
+        for r in reqs:
+            self._reseed(r, len(r.output_ids) + self.overlap.pending_for(r))
+        return self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+
+    def _collect(self, step: InFlight | None) -> list[TokenEvent]:
+        """Events of a launched step; requests that finished (or were aborted) since it was
+        launched drop their extra token."""
+        if step is None:
+            return []
+        tokens = self.overlap.collect(step)
+        return [self._append(r, tok) for r, tok in zip(step.requests, tokens)
+                if r.finish_reason is None]
+
+    def _step(self) -> list[TokenEvent]:
         step = self.scheduler.schedule()
         if step is None:
             return []
@@ -222,9 +260,11 @@ class LLMEngine:
             logits = logits[torch.tensor([i for i, _ in sampled], device=logits.device)]
         for r in reqs:
             self._reseed(r)
-        tokens = self.sampler.sample(logits, [r.params for r in reqs],
-                                     [r.generator for r in reqs]).tolist()
-        return [self._append(r, tok) for r, tok in zip(reqs, tokens)]
+        sampled = self.sampler.sample(logits, [r.params for r in reqs],
+                                      [r.generator for r in reqs])
+        if self.overlap is not None:
+            self.overlap.note_tokens([r.slot for r in reqs], sampled)
+        return [self._append(r, tok) for r, tok in zip(reqs, sampled.tolist())]
 
     def _speculate(self, requests: list[Request]) -> list[TokenEvent]:
         events = []
@@ -239,11 +279,13 @@ class LLMEngine:
         return events
 
     @staticmethod
-    def _reseed(r: Request) -> None:
+    def _reseed(r: Request, position: int | None = None) -> None:
+        """Seed a seeded request's generator for its output ``position`` (default: the next)."""
         if r.generator is not None:
             # NOTE: reseeding per position makes a seeded request's tokens independent of
             # where its earlier tokens were sampled (prefill worker, decode worker, locally).
-            r.generator.manual_seed(step_seed(r.params.seed, len(r.output_ids)))
+            position = len(r.output_ids) if position is None else position
+            r.generator.manual_seed(step_seed(r.params.seed, position))
 
     def _append(self, r: Request, tok: int, accept_length: int | None = None) -> TokenEvent:
         r.output_ids.append(tok)

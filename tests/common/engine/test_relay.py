@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_service.relay import PayloadRelay, RelayError
+from common.engine.relay import PayloadRelay, RelayError
 
 
 def test_field_absent_from_first_payload_still_relays():
