@@ -109,6 +109,7 @@ def speculative_choice(args: argparse.Namespace) -> bool | None:
 def run_local(args: argparse.Namespace, prompts: list[list[int]],
               params: SamplingParams) -> tuple[list, float]:
     """Load the model (and draft), run ``prompts`` to completion; return requests, seconds."""
+    from common.engine.cuda_graph import CudaGraphConfig
     from common.engine.llm_engine import EngineConfig, LLMEngine
     from common.model.dflash import load_draft
     from common.model.load import eos_token_ids_for, load_model
@@ -119,9 +120,13 @@ def run_local(args: argparse.Namespace, prompts: list[list[int]],
     draft = load_draft(args.draft, model) if args.draft else None
     if speculative_choice(args) and draft is None:
         raise ValueError("--speculative on needs --draft")
-    engine = LLMEngine(model, EngineConfig(device=args.device),
+    # graphs for the batch sizes this run can have (captured by the warm-up, on a GPU only)
+    graphs = CudaGraphConfig(max_batch_size=max(1, len(prompts)))
+    engine = LLMEngine(model, EngineConfig(device=args.device, cuda_graph=graphs),
                        eos_token_ids_for(args.model, model.config), draft=draft,
                        block_size=args.block_size)
+    if engine.runner.graphs is not None:
+        engine.warmup()
     start = time.perf_counter()
     reqs = engine.generate(prompts, params, speculative=speculative_choice(args))
     return reqs, time.perf_counter() - start
