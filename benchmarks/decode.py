@@ -60,10 +60,13 @@ def engine_for(model, draft, *, block_size=None, max_running=256, graphs=False):
     return engine
 
 
-def fill_batch(engine, batch: int, prompt_len: int, new_tokens: int) -> list:
+def fill_batch(engine, batch: int, prompt_len: int, new_tokens: int,
+               vocab: int | None = None) -> list:
+    """Add ``batch`` random prompts and run their prefill; returns the requests."""
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-    reqs = [engine.add_request(torch.randint(0, 240000, (prompt_len,), generator=gen).tolist(),
+    high = vocab or 240000
+    reqs = [engine.add_request(torch.randint(0, high, (prompt_len,), generator=gen).tolist(),
                                params) for _ in range(batch)]
     while any(r.is_prefilling for r in reqs):
         engine.step()

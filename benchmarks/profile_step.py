@@ -1,0 +1,153 @@
+"""Where the time of one decode step and one DFLASH step goes (engine with CUDA graphs).
+
+- decode: a profiler trace of a few graphed decode steps. It prints the kernels with the most GPU
+  time and their launch counts per step, and the step's device time against its wall time (the
+  host's share).
+- dflash: each phase of a DFLASH step timed with a device synchronisation around it: draft
+  proposal, verify forward, acceptance, GDN commit, draft-context extension, and the rest (host
+  bookkeeping). The synchronisations serialise the step, so the phases add up to more than
+  an unprofiled step.
+
+    python -m benchmarks.profile_step --device cuda --batch 1 [--out out/profile.json]
+    python -m benchmarks.profile_step --device cpu --model tiny      # a quick run on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.decode import build, engine_for, fill_batch
+from common.engine.cuda_graph import CudaGraphConfig
+from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+from common.engine.scheduler import SchedulerConfig
+from common.model.dflash import load_draft
+from common.model.load import load_model
+
+PHASES = ("propose", "verify", "accept", "commit", "context")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def tiny_engine(draft: bool) -> LLMEngine:
+    model = load_model("tiny")
+    config = EngineConfig(cache=CacheConfig(page_size=4, num_pages=600, num_slots=20),
+                          scheduler=SchedulerConfig(max_running_requests=16),
+                          cuda_graph=CudaGraphConfig(capture=False))
+    return LLMEngine(model, config, draft=load_draft("tiny", model) if draft else None)
+
+
+def profile_decode(engine: LLMEngine, device: str, steps: int = 5) -> dict:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if device.startswith("cuda") else [])
+    engine.step()
+    _sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync(device)
+    wall = (time.perf_counter() - start) / steps
+    kernels = collections.Counter()
+    counts = collections.Counter()
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", 0) or 0
+        if t > 0 and e.key and not e.key.startswith(("cuda", "aten::", "Memcpy")):
+            kernels[e.key] += t / steps
+            counts[e.key] += e.count / steps
+    device_us = sum(kernels.values())
+    top = [{"kernel": k[:90], "us_per_step": v, "launches_per_step": counts[k]}
+           for k, v in kernels.most_common(15)]
+    return {"wall_ms": wall * 1e3, "device_ms": device_us / 1e3,
+            "launches_per_step": sum(counts.values()), "top": top}
+
+
+def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 5) -> dict:
+    """Wrap each phase of ``DFlashSpeculator.step`` with a synchronised timer."""
+    spec, target = engine.speculator, engine.speculator.target
+    totals = collections.defaultdict(float)
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            _sync(device)
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync(device)
+            totals[name] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    originals = {"propose": spec.propose, "accept": spec._accept,
+                 "commit": target.commit_verified, "context": spec.extend_context}
+    spec.propose = timed("propose", spec.propose)
+    spec._accept = timed("accept", spec._accept)
+    target.commit_verified = timed("commit", target.commit_verified)
+    spec.extend_context = timed("context", spec.extend_context)
+    verify = spec.verify_graphs
+    if verify is not None:
+        originals["verify"] = verify.run
+        verify.run = timed("verify", verify.run)
+    try:
+        engine.step()  # warm
+        totals.clear()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync(device)
+        wall = (time.perf_counter() - start) / steps
+    finally:
+        spec.propose, spec._accept = originals["propose"], originals["accept"]
+        target.commit_verified, spec.extend_context = originals["commit"], originals["context"]
+        if verify is not None:
+            verify.run = originals["verify"]
+    row = {name: totals[name] / steps * 1e3 for name in PHASES}
+    row["rest"] = wall * 1e3 - sum(row.values())
+    row["step"] = wall * 1e3
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="qwen3.5-4b", help="qwen3.5-4b (random weights) or tiny")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--out", default="out/profile.json")
+    args = p.parse_args(argv)
+    if args.model == "tiny":
+        plain, spec = tiny_engine(False), tiny_engine(True)
+        prompt_len, vocab = 24, 250
+    else:
+        model, draft = build("gpu", with_draft=True)
+        plain = engine_for(model, None, max_running=max(8, args.batch), graphs=True)
+        spec = engine_for(model, draft, block_size=args.block_size,
+                          max_running=max(8, args.batch), graphs=True)
+        prompt_len, vocab = 512, None
+    for engine in (plain, spec):
+        fill_batch(engine, args.batch, prompt_len, 200, vocab=vocab)
+    decode = profile_decode(plain, args.device)
+    dflash = time_dflash_phases(spec, args.device)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": args.model, "batch": args.batch, "decode": decode,
+                               "dflash": dflash}, indent=2))
+    print(f"decode step: wall {decode['wall_ms']:.2f} ms, device {decode['device_ms']:.2f} ms, "
+          f"{decode['launches_per_step']:.0f} launches")
+    for k in decode["top"]:
+        print(f"  {k['us_per_step']:>9.1f} us  x{k['launches_per_step']:<5.0f} {k['kernel']}")
+    print("dflash step (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in dflash.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
