@@ -28,7 +28,8 @@ from benchmarks.shapes import shape_config
 from common.ops.registry import default_registry
 
 MODELS = ("qwen3.5-4b", "qwen3.5-35b-a3b")
-OPS = ("gdn_prefill", "gdn_decode", "conv1d_prefill", "conv1d_update", "paged_attention")
+OPS = ("gdn_prefill", "gdn_decode", "gdn_verify", "gdn_decode_in_place", "conv1d_prefill",
+       "conv1d_update", "paged_attention")
 PAGE = 16
 
 
@@ -94,6 +95,33 @@ def cases_gdn_decode(cfg, quick):
         yield f"B={b}", make, {"gbps": state_bytes}, False
 
 
+def cases_gdn_verify(cfg, quick):
+    """N requests verifying a block of B tokens each (the token recurrence, no state written)."""
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                      cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    for b in (8, 16):
+        for n in ((1, 8) if quick else (1, 8, 64)):
+            def make(b=b, n=n):
+                return gdn_inputs([b] * n, hk, hv, dk, dv, seed=b + n)
+            yield f"B={b} N={n}", make, {"gbps": 2 * n * hv * dk * dv * 4}, False
+
+
+def cases_gdn_decode_in_place(cfg, quick):
+    """One token per request, states read and written in a pool of 4·B slots by slot index."""
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                      cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    for b in ((1, 64) if quick else (1, 8, 64)):
+        def make(b=b):
+            inputs = gdn_inputs([1] * b, hk, hv, dk, dv, seed=b)
+            gen = torch.Generator(device="cuda").manual_seed(b)
+            pool = torch.randn(4 * b + 1, hv, dv, dk, generator=gen, device="cuda") * 0.3
+            slots = torch.randperm(4 * b, generator=torch.Generator().manual_seed(b))[:b] + 1
+            for key in ("cu_seqlens", "initial_state"):
+                inputs.pop(key)
+            return dict(inputs, ssm_pool=pool, slots=slots.to("cuda"))
+        yield f"B={b}", make, {"gbps": 2 * b * hv * dk * dv * 4}, False
+
+
 def cases_conv1d_prefill(cfg, quick):
     d, w = cfg.conv_dim, cfg.linear_conv_kernel_dim
     for t in ((512, 8192) if quick else (512, 2048, 8192, 32768)):
@@ -157,12 +185,15 @@ def cases_paged_attention(cfg, quick):
 CASES = {
     "gdn_prefill": ("chunk_gated_delta_rule", cases_gdn_prefill),
     "gdn_decode": ("recurrent_gated_delta_rule", cases_gdn_decode),
+    "gdn_verify": ("recurrent_gated_delta_rule", cases_gdn_verify),
+    "gdn_decode_in_place": ("gdn_decode_in_place", cases_gdn_decode_in_place),
     "conv1d_prefill": ("causal_conv1d_prefill", cases_conv1d_prefill),
     "conv1d_update": ("causal_conv1d_update", cases_conv1d_update),
     "paged_attention": ("paged_attention", cases_paged_attention),
 }
 # GDN and conv shapes are identical in both models (16 k-heads, 32 v-heads, d=128, conv_dim 8192)
-MODEL_INDEPENDENT = {"gdn_prefill", "gdn_decode", "conv1d_prefill", "conv1d_update"}
+MODEL_INDEPENDENT = {"gdn_prefill", "gdn_decode", "gdn_verify", "gdn_decode_in_place",
+                     "conv1d_prefill", "conv1d_update"}
 
 
 def _path(op: str, backend: str, inputs: dict) -> str:
