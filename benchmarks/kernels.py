@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.shapes import shape_config
+from common.cache.kv_pool import page_table
 from common.ops.registry import default_registry
 
 MODELS = ("qwen3.5-4b", "qwen3.5-35b-a3b")
@@ -156,8 +157,7 @@ def attention_inputs(prefix, extend, heads, kv_heads, head_dim, seed=0):
     for c in need:
         rows.append(order[at : at + c])
         at += c
-    width = max(need)
-    table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device="cuda")
+    table = page_table(rows, "cuda")
     q = torch.randn(sum(extend), heads, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
     return dict(q=q, k_cache=kv[:, 0], v_cache=kv[:, 1], page_table=table, prefix_lens=list(prefix),
                 extend_lens=list(extend), scale=head_dim ** -0.5)

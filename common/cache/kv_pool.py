@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from common.cache.allocator import IndexAllocator
+
+
+def page_table(page_ids: Sequence[Sequence[int]], device: torch.device | str = "cpu"
+               ) -> torch.Tensor:
+    """``[N, max pages]`` int32 page ids of N requests; short rows are padded with page 0, the
+    scratch page, never a live request's page."""
+    width = max(1, max((len(p) for p in page_ids), default=0))
+    return torch.tensor([list(p) + [0] * (width - len(p)) for p in page_ids], dtype=torch.int32,
+                        device=device)
 
 
 class KVPool:

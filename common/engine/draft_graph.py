@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from common.cache.kv_pool import page_table
 from common.engine.cuda_graph import capture_graphs
 from common.engine.request import Request
 from common.model.dflash import DFlashDraftModel, DraftKVPool
@@ -66,10 +67,8 @@ class DraftGraphRunner:
         if n:
             self._host[0, :n] = torch.tensor(list(last_tokens), dtype=torch.int64)
             self._host[1, :n] = torch.tensor(list(starts), dtype=torch.int64)
-            width = max(1, max(len(p) for p in pages))
-            table = torch.tensor([list(p) + [0] * (width - len(p)) for p in pages],
-                                 dtype=torch.int32)
-            self.page_table[:n, :width].copy_(table, non_blocking=True)
+            table = page_table(pages)
+            self.page_table[:n, :table.shape[1]].copy_(table, non_blocking=True)
         # padding rows (start 0) read no page, so their table rows may hold anything
         self.blocks[:, 0].copy_(self._host[0], non_blocking=True)
         self.starts.copy_(self._host[1], non_blocking=True)

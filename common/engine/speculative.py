@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.cache.kv_pool import KVPool
+from common.cache.kv_pool import KVPool, page_table
 from common.cache.state_pool import GDNStatePool
 from common.engine.acceptance import Acceptance, accept_greedy, accept_sampled
 from common.engine.cuda_graph import CudaGraphConfig, GraphRunner
@@ -92,15 +92,12 @@ class DFlashSpeculator:
             return self.draft_graphs.run(requests, pages)
         b = self.block_size
         device = self.kv_pool.kv.device
-        width = max(len(p) for p in pages)
-        page_table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32,
-                                  device=device)
         blocks = torch.full((len(requests), b), self.mask_token_id, dtype=torch.int64,
                             device=device)
         blocks[:, 0] = torch.tensor([r.output_ids[-1] for r in requests], device=device)
         logits = self.draft.propose(
             block_ids=blocks, start_positions=[r.num_cached for r in requests],
-            page_table=page_table, pool=self.draft_pool,
+            page_table=page_table(pages, device), pool=self.draft_pool,
             embed=self.target.get_input_embeddings().weight,
             lm_head=self.target.get_output_weight())
         return logits.argmax(-1)

@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from common.cache.kv_pool import page_table
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # any number of new tokens per request, optionally continuing cached state
@@ -129,9 +131,6 @@ class ForwardBatch:
                 positions.append(pos)
                 locs.append(pages[pos // page_size] * page_size + pos % page_size)
             last.append(len(flat_ids) - 1)
-        max_pages = max(len(pages) for pages in page_ids)
-        # NOTE: rows are padded with page 0, the scratch page, never a live request's page.
-        table = [pages + [0] * (max_pages - len(pages)) for pages in page_ids]
         every = return_all_logits or mode == ForwardMode.VERIFY
         logits_positions = list(range(len(flat_ids))) if every else last
         as_long = dict(dtype=torch.int64, device=device)
@@ -141,7 +140,7 @@ class ForwardBatch:
             positions=torch.tensor(positions, **as_long),
             prefix_lens=list(prefix_lens),
             extend_lens=extend_lens,
-            page_table=torch.tensor(table, dtype=torch.int32, device=device),
+            page_table=page_table(page_ids, device),
             out_cache_loc=torch.tensor(locs, **as_long),
             state_slots=torch.tensor(state_slots, **as_long),
             logits_positions=torch.tensor(logits_positions, **as_long),

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from common.cache.kv_pool import page_table
+
 __all__ = ["TorchPlannedAttention", "page_layout"]
 
 
@@ -53,9 +55,7 @@ class TorchPlannedAttention:
     def plan(self, page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int]) -> None:
         if any(s < self.q_len for s in seq_lens):
             raise ValueError(f"every row needs at least q_len = {self.q_len} tokens")
-        width = max(len(p) for p in page_ids)
-        table = [list(p) + [0] * (width - len(p)) for p in page_ids]
-        self.page_table = torch.tensor(table, dtype=torch.int32, device=self.device)
+        self.page_table = page_table(page_ids, self.device)
         self.seq_lens = list(seq_lens)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
