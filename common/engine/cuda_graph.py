@@ -117,11 +117,12 @@ class StaticInputs:
 
 
 def _attention_plan(model: HybridForCausalLM, kv_pool: KVPool, *, rows: int, q_len: int,
-                    capture: bool, workspace: torch.Tensor | None):
+                    workspace: torch.Tensor | None):
+    """FlashInfer's graph-mode attention given its workspace, else the kernel set's
+    ``paged_attention`` planned on the host (not capturable)."""
     c = model.config
     scale = c.head_dim ** -0.5
-    backend = dict(model.kernels.backends).get("paged_attention")
-    if backend == "flashinfer" and kv_pool.kv.is_cuda:
+    if workspace is not None:
         from common.ops.attention.flashinfer_graph import FlashInferGraphAttention
 
         return FlashInferGraphAttention(
@@ -130,9 +131,6 @@ def _attention_plan(model: HybridForCausalLM, kv_pool: KVPool, *, rows: int, q_l
             page_size=kv_pool.page_size,
             max_pages=kv_pool.num_pages + rows * kv_pool.pages_for(q_len),
             dtype=kv_pool.kv.dtype, scale=scale, float_workspace=workspace)
-    if capture:
-        raise ValueError(f"CUDA graphs need a capturable attention backend (flashinfer), not "
-                         f"{backend!r}: choose --kernels gpu, or turn graphs off")
     return TorchPlannedAttention(model.kernels.paged_attention, q_len=q_len, scale=scale,
                                  device=kv_pool.kv.device)
 
@@ -158,14 +156,17 @@ class GraphRunner:
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         device = kv_pool.kv.device
         self.inputs = StaticInputs(self.batch_sizes[-1], q_len, device)
+        backend = dict(model.kernels.backends).get("paged_attention")
         workspace = None
-        if device.type == "cuda":
+        if backend == "flashinfer" and device.type == "cuda":
             from common.ops.attention.flashinfer_graph import workspace as make_workspace
 
-            workspace = make_workspace(device) if dict(model.kernels.backends).get(
-                "paged_attention") == "flashinfer" else None
+            workspace = make_workspace(device)
+        elif capture:
+            raise ValueError(f"CUDA graphs need a capturable attention backend (flashinfer), "
+                             f"not {backend!r}: choose --kernels gpu, or turn graphs off")
         self.attention = {bs: _attention_plan(model, kv_pool, rows=bs, q_len=q_len,
-                                              capture=capture, workspace=workspace)
+                                              workspace=workspace)
                           for bs in self.batch_sizes}
         self.batches = {bs: self.inputs.batch(mode, bs, self.attention[bs])
                         for bs in self.batch_sizes}
