@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.ops.mlp.reference import silu_glu_mlp
+from common.ops.mlp.reference import silu_and_mul, silu_glu_mlp
 
 __all__ = ["sparse_moe"]
 
@@ -84,8 +84,7 @@ def sparse_moe(
     # Visit experts in ascending id, each over the tokens that picked it, so the sum order is fixed.
     for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)
-        gate_up = F.linear(x[tok], experts_gate_up[e].to(x.dtype))
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        act = silu_and_mul(x=F.linear(x[tok], experts_gate_up[e].to(x.dtype)))
         contrib = F.linear(act, experts_down[e].to(x.dtype)).to(acc) * weights[tok, slot, None].to(acc)
         out.index_add_(0, tok, contrib)
     if shared_expert_gate is not None:
