@@ -14,18 +14,9 @@ import torch
 
 from common.ops.attention import reference as ref
 from common.ops.attention.flashinfer import page_indices
+from tests.common.compare import cosine, rel_rmse
 
 PAGE = 16
-
-
-def rel_rmse(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def cosine(a, b):
-    a, b = a.double().flatten(), b.double().flatten()
-    return (a @ b / (a.norm() * b.norm())).item()
 
 
 def test_page_indices_cpu():

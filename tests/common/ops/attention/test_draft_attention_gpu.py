@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from common.ops.attention import draft_reference as ref
+from tests.common.compare import cosine, rel_rmse
 
 pytestmark = pytest.mark.gpu
 
@@ -30,16 +31,6 @@ def _triton():
     from common.ops.attention import draft_triton
 
     return draft_triton
-
-
-def rel_rmse(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def cosine(a, b):
-    a, b = a.double().flatten(), b.double().flatten()
-    return (a @ b / (a.norm() * b.norm())).item()
 
 
 def _pool_and_table(contexts, starts, b, kv_heads, head_dim, dtype, gen, spare_pages=5):

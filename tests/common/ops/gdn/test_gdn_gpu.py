@@ -16,20 +16,11 @@ import torch
 
 from common.ops.gdn import reference as ref
 from common.ops.gdn.reference import gdn_gating
+from tests.common.compare import cosine, rel_rmse
 
 pytestmark = pytest.mark.gpu
 
 BF16_RMSE, BF16_COS = 1e-2, 0.9999
-
-
-def rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    return (a @ b / (a.norm() * b.norm())).item()
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:

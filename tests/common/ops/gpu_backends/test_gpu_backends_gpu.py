@@ -18,18 +18,9 @@ import torch
 
 from common.ops import gpu_backends
 from common.ops.registry import GPU_OPS, default_registry
+from tests.common.compare import cosine, rel_rmse
 
 PAGE = 16
-
-
-def rel_rmse(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def cosine(a, b):
-    a, b = a.double().flatten(), b.double().flatten()
-    return (a @ b / (a.norm() * b.norm())).item()
 
 
 def test_backend_sets_name_registered_backends():

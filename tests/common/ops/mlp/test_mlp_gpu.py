@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common.ops.mlp import reference as ref
+from tests.common.compare import assert_within_ulps, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -22,23 +23,6 @@ def _triton():
     return mlp_triton
 
 
-def _rand(gen, *shape, dtype):
-    return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
-
-
-def _close(got, want, record, name):
-    assert got.dtype == want.dtype and got.shape == want.shape, name
-    assert got.is_contiguous(), name
-    diff = (got.float() - want.float()).abs()
-    record(f"{name}.max_abs", diff.max().item())
-    record(f"{name}.unequal", (got != want).float().mean().item())
-    if got.dtype == torch.float32:
-        assert bool((diff <= want.abs() * 1e-5 + 1e-6).all()), name
-        return
-    one_ulp = want.float().abs() * 2**-7 + 1e-6  # one bf16 ulp of the value (8 mantissa bits)
-    assert bool((diff <= one_ulp).all()), name
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 7, 301])
 @pytest.mark.parametrize("inter", [9216, 1000, 9])
@@ -46,11 +30,11 @@ def test_silu_and_mul_matches_reference(record_metric, dtype, rows, inter):
     """x a row-strided view of a wider [T, 2I + pad] buffer, as a fused gate/up GEMM may leave it."""
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(rows * inter)
-    x = (_rand(gen, rows, 2 * inter + 24, dtype=dtype) * 4)[:, 8:8 + 2 * inter]
+    x = (randn(gen, rows, 2 * inter + 24, dtype=dtype) * 4)[:, 8:8 + 2 * inter]
     before = x.clone()
     y = tr.silu_and_mul(x=x)
     assert y.shape == (rows, inter)
-    _close(y, ref.silu_and_mul(x=x), record_metric, "y")
+    assert_within_ulps(y, ref.silu_and_mul(x=x), record_metric, "y")
     assert torch.equal(x, before)
 
 
@@ -59,13 +43,13 @@ def test_silu_and_mul_of_other_layouts(record_metric, dtype):
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(3)
     cases = {
-        "three_dims": _rand(gen, 3, 5, 2 * 1000, dtype=dtype),
-        "unmergeable_rows": _rand(gen, 4, 6, 2 * 129, dtype=dtype)[:, ::2],
-        "last_dim_strided": _rand(gen, 2 * 129, 7, dtype=dtype).t(),
-        "one_row": _rand(gen, 2 * 64, dtype=dtype),
+        "three_dims": randn(gen, 3, 5, 2 * 1000, dtype=dtype),
+        "unmergeable_rows": randn(gen, 4, 6, 2 * 129, dtype=dtype)[:, ::2],
+        "last_dim_strided": randn(gen, 2 * 129, 7, dtype=dtype).t(),
+        "one_row": randn(gen, 2 * 64, dtype=dtype),
     }
     for name, x in cases.items():
-        _close(tr.silu_and_mul(x=x), ref.silu_and_mul(x=x), record_metric, name)
+        assert_within_ulps(tr.silu_and_mul(x=x), ref.silu_and_mul(x=x), record_metric, name)
     assert tr.silu_and_mul(x=cases["three_dims"][:0]).shape == (0, 5, 1000)
 
 
@@ -83,14 +67,14 @@ def test_silu_and_mul_replays_in_a_cuda_graph():
     """No host synchronisation: the op captures, and a replay sees the input changed in place."""
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(13)
-    x = _rand(gen, 4, 2 * 9216, dtype=torch.bfloat16)
+    x = randn(gen, 4, 2 * 9216, dtype=torch.bfloat16)
     tr.silu_and_mul(x=x)  # compile before capturing
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = tr.silu_and_mul(x=x)
-    x.copy_(_rand(gen, 4, 2 * 9216, dtype=torch.bfloat16))
+    x.copy_(randn(gen, 4, 2 * 9216, dtype=torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, tr.silu_and_mul(x=x))
-    _close(y, ref.silu_and_mul(x=x), lambda *a: None, "replay")
+    assert_within_ulps(y, ref.silu_and_mul(x=x), lambda *a: None, "replay")

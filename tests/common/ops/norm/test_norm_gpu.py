@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from common.ops.norm import reference as ref
+from tests.common.compare import assert_within_ulps, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -29,35 +30,17 @@ def _triton():
     return norm_triton
 
 
-def _rand(gen, *shape, dtype):
-    return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
-
-
-def _close(got, want, record, name, *, ulps=1, beyond_one_ulp=0.0):
-    assert got.dtype == want.dtype and got.shape == want.shape, name
-    assert got.is_contiguous(), name
-    diff = (got.float() - want.float()).abs()
-    record(f"{name}.max_abs", diff.max().item())
-    record(f"{name}.unequal", (got != want).float().mean().item())
-    if got.dtype == torch.float32:
-        assert bool((diff <= want.abs() * 1e-5 + 1e-6).all()), name
-        return
-    one_ulp = want.float().abs() * 2**-7 + 1e-6  # one bf16 ulp of the value (8 mantissa bits)
-    assert bool((diff <= one_ulp * ulps).all()), name
-    assert (diff > one_ulp).float().mean().item() <= beyond_one_ulp, name
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,h", SIZES)
 @pytest.mark.parametrize("zero_centered", [True, False])
 def test_rms_norm_matches_reference(record_metric, dtype, rows, h, zero_centered):
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(rows * h)
-    x = _rand(gen, rows, h, dtype=dtype) * 3
-    w = _rand(gen, h, dtype=dtype)
+    x = randn(gen, rows, h, dtype=dtype) * 3
+    w = randn(gen, h, dtype=dtype)
     before = x.clone()
     y = tr.rms_norm(x=x, weight=w, eps=EPS, zero_centered=zero_centered)
-    _close(y, ref.rms_norm(x=x, weight=w, eps=EPS, zero_centered=zero_centered), record_metric, "y")
+    assert_within_ulps(y, ref.rms_norm(x=x, weight=w, eps=EPS, zero_centered=zero_centered), record_metric, "y")
     assert torch.equal(x, before)
 
 
@@ -67,31 +50,31 @@ def test_rms_norm_of_strided_q_half(record_metric, dtype, tokens):
     """The attention q norm: x is the q half of each head of a [T, heads, 2 * head_dim] projection."""
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(tokens)
-    qg = _rand(gen, tokens, 16, 2 * 256, dtype=dtype)
+    qg = randn(gen, tokens, 16, 2 * 256, dtype=dtype)
     q = qg[..., :256]
-    w = _rand(gen, 256, dtype=dtype)
+    w = randn(gen, 256, dtype=dtype)
     y = tr.rms_norm(x=q, weight=w, eps=EPS)
-    _close(y, ref.rms_norm(x=q, weight=w, eps=EPS), record_metric, "q")
-    k = _rand(gen, tokens, 4 * 256, dtype=dtype).view(tokens, 4, 256)  # the k norm's contiguous view
-    _close(tr.rms_norm(x=k, weight=w, eps=EPS), ref.rms_norm(x=k, weight=w, eps=EPS), record_metric, "k")
+    assert_within_ulps(y, ref.rms_norm(x=q, weight=w, eps=EPS), record_metric, "q")
+    k = randn(gen, tokens, 4 * 256, dtype=dtype).view(tokens, 4, 256)  # the k norm's contiguous view
+    assert_within_ulps(tr.rms_norm(x=k, weight=w, eps=EPS), ref.rms_norm(x=k, weight=w, eps=EPS), record_metric, "k")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rms_norm_of_other_layouts(record_metric, dtype):
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(5)
-    w = _rand(gen, 65, dtype=dtype)
+    w = randn(gen, 65, dtype=dtype)
     cases = {
-        "three_unmergeable_dims": _rand(gen, 4, 5, 6, 70, dtype=dtype)[:, :3, ::2, :65],
-        "six_unmergeable_dims": _rand(gen, 2, 3, 2, 3, 2, 3, 70, dtype=dtype)[:, :2, :, :2, :, :2, :65],
-        "last_dim_strided": _rand(gen, 65, 9, dtype=dtype).t(),
-        "one_row": _rand(gen, 65, dtype=dtype),
+        "three_unmergeable_dims": randn(gen, 4, 5, 6, 70, dtype=dtype)[:, :3, ::2, :65],
+        "six_unmergeable_dims": randn(gen, 2, 3, 2, 3, 2, 3, 70, dtype=dtype)[:, :2, :, :2, :, :2, :65],
+        "last_dim_strided": randn(gen, 65, 9, dtype=dtype).t(),
+        "one_row": randn(gen, 65, dtype=dtype),
     }
     for name, x in cases.items():
-        _close(tr.rms_norm(x=x, weight=w, eps=EPS), ref.rms_norm(x=x, weight=w, eps=EPS), record_metric, name)
-    strided_w = _rand(gen, 130, dtype=dtype)[::2]
+        assert_within_ulps(tr.rms_norm(x=x, weight=w, eps=EPS), ref.rms_norm(x=x, weight=w, eps=EPS), record_metric, name)
+    strided_w = randn(gen, 130, dtype=dtype)[::2]
     x = cases["three_unmergeable_dims"]
-    _close(tr.rms_norm(x=x, weight=strided_w, eps=EPS, zero_centered=False),
+    assert_within_ulps(tr.rms_norm(x=x, weight=strided_w, eps=EPS, zero_centered=False),
            ref.rms_norm(x=x, weight=strided_w, eps=EPS, zero_centered=False), record_metric, "strided_w")
     assert tr.rms_norm(x=x[:0], weight=w, eps=EPS).shape == x[:0].shape
 
@@ -101,12 +84,12 @@ def test_rms_norm_of_other_layouts(record_metric, dtype):
 def test_gated_rms_norm_matches_reference(record_metric, dtype, rows, h):
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(rows + h)
-    x = _rand(gen, rows, h, dtype=dtype)
-    gate = _rand(gen, rows, h, dtype=dtype) * 3
-    w = _rand(gen, h, dtype=dtype)
+    x = randn(gen, rows, h, dtype=dtype)
+    gate = randn(gen, rows, h, dtype=dtype) * 3
+    w = randn(gen, h, dtype=dtype)
     before = (x.clone(), gate.clone())
     y = tr.gated_rms_norm(x=x, gate=gate, weight=w, eps=EPS)
-    _close(y, ref.gated_rms_norm(x=x, gate=gate, weight=w, eps=EPS), record_metric, "y",
+    assert_within_ulps(y, ref.gated_rms_norm(x=x, gate=gate, weight=w, eps=EPS), record_metric, "y",
            ulps=4, beyond_one_ulp=1e-4)
     assert torch.equal(x, before[0]) and torch.equal(gate, before[1])
 
@@ -117,13 +100,13 @@ def test_gated_rms_norm_as_the_gdn_layer_calls_it(record_metric, tokens):
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     hv, dv = 32, 128
-    x = _rand(gen, tokens * hv, dv, dtype=torch.bfloat16)
-    z = _rand(gen, tokens, hv, 2 * dv, dtype=torch.bfloat16)[..., dv:].reshape(-1, hv, dv)
+    x = randn(gen, tokens * hv, dv, dtype=torch.bfloat16)
+    z = randn(gen, tokens, hv, 2 * dv, dtype=torch.bfloat16)[..., dv:].reshape(-1, hv, dv)
     x3 = x.view(tokens, hv, dv)
     for wdt in (torch.bfloat16, torch.float32):
-        w = _rand(gen, dv, dtype=wdt)
+        w = randn(gen, dv, dtype=wdt)
         y = tr.gated_rms_norm(x=x3, gate=z, weight=w, eps=EPS)
-        _close(y, ref.gated_rms_norm(x=x3, gate=z, weight=w, eps=EPS), record_metric, f"w_{wdt}",
+        assert_within_ulps(y, ref.gated_rms_norm(x=x3, gate=z, weight=w, eps=EPS), record_metric, f"w_{wdt}",
                ulps=4, beyond_one_ulp=1e-4)
 
 
@@ -143,9 +126,9 @@ def test_norms_replay_in_a_cuda_graph():
     """No host synchronisation: both ops capture, and a replay sees new input values."""
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(11)
-    x = _rand(gen, 4, 16, 512, dtype=torch.bfloat16)[..., :256]
-    gate = _rand(gen, 4, 16, 256, dtype=torch.bfloat16)
-    w = _rand(gen, 256, dtype=torch.bfloat16)
+    x = randn(gen, 4, 16, 512, dtype=torch.bfloat16)[..., :256]
+    gate = randn(gen, 4, 16, 256, dtype=torch.bfloat16)
+    w = randn(gen, 256, dtype=torch.bfloat16)
     tr.rms_norm(x=x, weight=w, eps=EPS)  # compile before capturing
     tr.gated_rms_norm(x=x, gate=gate, weight=w, eps=EPS)
     torch.cuda.synchronize()
@@ -153,8 +136,8 @@ def test_norms_replay_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         y = tr.rms_norm(x=x, weight=w, eps=EPS)
         yg = tr.gated_rms_norm(x=x, gate=gate, weight=w, eps=EPS)
-    x.copy_(_rand(gen, 4, 16, 256, dtype=torch.bfloat16))
-    gate.copy_(_rand(gen, 4, 16, 256, dtype=torch.bfloat16))
+    x.copy_(randn(gen, 4, 16, 256, dtype=torch.bfloat16))
+    gate.copy_(randn(gen, 4, 16, 256, dtype=torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, tr.rms_norm(x=x, weight=w, eps=EPS))
@@ -172,9 +155,9 @@ def test_add_rms_norm_matches_reference(record_metric, dtype, rows, h, zero_cent
     rounding of an add, so it must be bit-exact; the norm within the rms_norm tolerance."""
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(rows * h + 1)
-    x = (_rand(gen, rows, h + 40, dtype=dtype) * 3)[:, 3:h + 3]
-    residual = _rand(gen, rows, h, dtype=dtype) * 2
-    w = _rand(gen, h, dtype=dtype)
+    x = (randn(gen, rows, h + 40, dtype=dtype) * 3)[:, 3:h + 3]
+    residual = randn(gen, rows, h, dtype=dtype) * 2
+    w = randn(gen, h, dtype=dtype)
     before = (x.clone(), residual.clone())
     normed, summed = tr.add_rms_norm(x=x, residual=residual, weight=w, eps=EPS, zero_centered=zero_centered)
     want_normed, want_summed = ref.add_rms_norm(x=x, residual=residual, weight=w, eps=EPS,
@@ -182,7 +165,7 @@ def test_add_rms_norm_matches_reference(record_metric, dtype, rows, h, zero_cent
     assert summed.is_contiguous() and summed.dtype == dtype
     record_metric("summed.max_abs", (summed.float() - want_summed.float()).abs().max().item())
     assert torch.equal(summed, want_summed)
-    _close(normed, want_normed, record_metric, "normed")
+    assert_within_ulps(normed, want_normed, record_metric, "normed")
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
 
 
@@ -208,16 +191,16 @@ def test_add_rms_norm_replays_in_a_cuda_graph():
     """No host synchronisation: the fused add + norm captures, and a replay sees new inputs."""
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(12)
-    x = _rand(gen, 7, 2600, dtype=torch.bfloat16)[:, :2560]
-    residual = _rand(gen, 7, 2560, dtype=torch.bfloat16)
-    w = _rand(gen, 2560, dtype=torch.bfloat16)
+    x = randn(gen, 7, 2600, dtype=torch.bfloat16)[:, :2560]
+    residual = randn(gen, 7, 2560, dtype=torch.bfloat16)
+    w = randn(gen, 2560, dtype=torch.bfloat16)
     tr.add_rms_norm(x=x, residual=residual, weight=w, eps=EPS)  # compile before capturing
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         normed, summed = tr.add_rms_norm(x=x, residual=residual, weight=w, eps=EPS)
-    x.copy_(_rand(gen, 7, 2560, dtype=torch.bfloat16))
-    residual.copy_(_rand(gen, 7, 2560, dtype=torch.bfloat16))
+    x.copy_(randn(gen, 7, 2560, dtype=torch.bfloat16))
+    residual.copy_(randn(gen, 7, 2560, dtype=torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
     want_normed, want_summed = tr.add_rms_norm(x=x, residual=residual, weight=w, eps=EPS)

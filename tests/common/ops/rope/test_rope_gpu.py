@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common.ops.rope import reference as ref
+from tests.common.compare import assert_within_ulps
 
 pytestmark = pytest.mark.gpu
 
@@ -21,17 +22,6 @@ def _triton():
     from common.ops.rope import triton as rope_triton
 
     return rope_triton
-
-
-def _close(got, want, record, name):
-    assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous(), name
-    diff = (got.float() - want.float()).abs()
-    record(f"{name}.max_abs", diff.max().item())
-    record(f"{name}.unequal", (got != want).float().mean().item())
-    if got.dtype == torch.float32:
-        assert bool((diff <= want.abs() * 1e-5 + 1e-6).all()), name
-    else:  # one bf16 ulp of the value (8 mantissa bits)
-        assert bool((diff <= want.float().abs() * 2**-7 + 1e-6).all()), name
 
 
 def _qk(gen, tokens, heads, kv_heads, head_dim, dtype):
@@ -59,8 +49,8 @@ def test_rope_matches_reference(record_metric, dtype, tokens, heads, kv_heads, h
     before = (q.clone(), k.clone())
     q_rot, k_rot = tr.apply_rope(q=q, k=k, positions=positions, inv_freq=inv_freq)
     q_ref, k_ref = ref.apply_rope(q=q, k=k, positions=positions, inv_freq=inv_freq)
-    _close(q_rot, q_ref, record_metric, "q")
-    _close(k_rot, k_ref, record_metric, "k")
+    assert_within_ulps(q_rot, q_ref, record_metric, "q")
+    assert_within_ulps(k_rot, k_ref, record_metric, "k")
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])
 
 
@@ -74,8 +64,8 @@ def test_rope_mixed_dtypes_int32_positions_and_no_rotary_dims(record_metric):
         inv_freq = ref.rope_inv_freq(rotary_dim=rotary_dim, theta=10_000.0).cuda()
         got = tr.apply_rope(q=q, k=k, positions=positions, inv_freq=inv_freq)
         want = ref.apply_rope(q=q, k=k, positions=positions, inv_freq=inv_freq)
-        _close(got[0], want[0], record_metric, f"q_r{rotary_dim}")
-        _close(got[1], want[1], record_metric, f"k_r{rotary_dim}")
+        assert_within_ulps(got[0], want[0], record_metric, f"q_r{rotary_dim}")
+        assert_within_ulps(got[1], want[1], record_metric, f"k_r{rotary_dim}")
     none = torch.empty(0, device="cuda")
     q_rot, k_rot = tr.apply_rope(q=q, k=k, positions=positions, inv_freq=none)
     assert torch.equal(q_rot, q) and torch.equal(k_rot, k)
