@@ -20,7 +20,7 @@ residual add + RMSNorm, the SwiGLU activation and the paged K/V store. Ops with 
 
 from __future__ import annotations
 
-from common.ops.registry import GPU_OPS, REFERENCE_BACKEND, REFERENCE_OPS, OpRegistry, default_registry
+from common.ops.registry import GPU_OPS, REFERENCE_BACKEND, REFERENCE_OPS, default_registry
 
 __all__ = ["BACKEND_SETS", "backends_for", "chosen_backends", "describe", "select_kernels"]
 
