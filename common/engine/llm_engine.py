@@ -41,7 +41,7 @@ class EngineConfig:
     hold_after_prefill: bool = False
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     # launch decode step n+1 before reading step n's tokens (docs/cuda_graphs.md); needs the
-    # decode graph runner, so it is off where graphs are
+    # decode graph runner, so it has no effect where graphs are off
     overlap_schedule: bool = False
 
 
@@ -90,17 +90,18 @@ class LLMEngine:
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids) or model.config.eos_token_ids
         self.kv_pool, self.state_pool = make_pools(model, config.cache, config.device)
+        graphs_on = self._graphs_apply()
         self.speculator = None if draft is None else DFlashSpeculator(
             model, draft, self.kv_pool, self.state_pool, block_size=block_size,
             max_requests=0 if config.hold_after_prefill
             else config.scheduler.max_running_requests,
-            graphs=config.cuda_graph if self._graphs_apply() else None)
+            graphs=config.cuda_graph if graphs_on else None)
         # a verify block writes block_size positions past the cache: reserve room for them
         lookahead = self.speculator.block_size if self.speculator else 0
         self.scheduler = Scheduler(replace(config.scheduler, lookahead_tokens=lookahead),
                                    self.kv_pool, self.state_pool)
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device,
-                                  graphs=self._decode_graphs())
+                                  graphs=self._decode_graphs() if graphs_on else None)
         self.overlap = None
         if config.overlap_schedule and self.runner.graphs is not None:
             self.overlap = OverlapDecoder(self.runner.graphs, config.cache.num_slots)
@@ -109,10 +110,11 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def _graphs_apply(self) -> bool:
+        """Whether this engine runs decode (and DFLASH) steps through graph runners."""
         graphs, config = self.config.cuda_graph, self.config
         on_gpu = torch.device(config.device).type == "cuda"
         # a prefill worker never decodes: its requests leave after their first token
-        if not graphs.enabled or config.hold_after_prefill or not (on_gpu or not graphs.capture):
+        if not graphs.enabled or config.hold_after_prefill or (graphs.capture and not on_gpu):
             return False
         if graphs.capture and any(self.model.config.is_moe_layer(i)
                                   for i in range(self.model.config.num_hidden_layers)):
@@ -122,9 +124,7 @@ class LLMEngine:
             return False
         return True
 
-    def _decode_graphs(self) -> GraphRunner | None:
-        if not self._graphs_apply():
-            return None
+    def _decode_graphs(self) -> GraphRunner:
         sizes = self.config.cuda_graph.batch_sizes(self.config.scheduler.max_running_requests)
         return GraphRunner(self.model, self.kv_pool, self.state_pool, batch_sizes=sizes,
                            capture=self.config.cuda_graph.capture)
@@ -260,11 +260,11 @@ class LLMEngine:
             logits = logits[torch.tensor([i for i, _ in sampled], device=logits.device)]
         for r in reqs:
             self._reseed(r)
-        sampled = self.sampler.sample(logits, [r.params for r in reqs],
-                                      [r.generator for r in reqs])
+        tokens = self.sampler.sample(logits, [r.params for r in reqs],
+                                     [r.generator for r in reqs])
         if self.overlap is not None:
-            self.overlap.note_tokens([r.slot for r in reqs], sampled)
-        return [self._append(r, tok) for r, tok in zip(reqs, sampled.tolist())]
+            self.overlap.note_tokens([r.slot for r in reqs], tokens)
+        return [self._append(r, tok) for r, tok in zip(reqs, tokens.tolist())]
 
     def _speculate(self, requests: list[Request]) -> list[TokenEvent]:
         events = []
