@@ -237,11 +237,11 @@ class GraphRunner:
             self._planned = torch.cuda.Event()
             self._planned.record()
         batch = self.batches[bs]
-        if self.mode == ForwardMode.VERIFY:
-            # the captured forward began its verify record at capture time; a replay does not
-            # run Python, so the record of this step starts here
-            self.state_pool.begin_verify(batch)
         if self.capture_graphs:
+            if self.mode == ForwardMode.VERIFY:
+                # the captured forward began its verify record at capture time; a replay does
+                # not run Python, so the record of this step starts here
+                self.state_pool.begin_verify(batch)
             self.graphs[bs].replay()
             out = self.outputs[bs]
         else:

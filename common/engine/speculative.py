@@ -39,8 +39,8 @@ class DFlashSpeculator:
         block_size: B, tokens verified per step (default: the draft's trained block size).
         max_requests: rows to reserve verify buffers for up front (0: this engine only
             builds draft context, as a prefill worker does).
-        graphs: replay the verify forward from CUDA graphs (after :meth:`capture_graphs`),
-            for batches of up to ``VERIFY_GRAPH_TOKENS // B`` requests.
+        graphs: replay the draft proposal and the verify forward from CUDA graphs (after
+            :meth:`capture_graphs`), for batches of up to ``VERIFY_GRAPH_TOKENS // B`` requests.
     """
 
     # the largest captured verify forward, in tokens: its fp32 logits alone are
