@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -65,16 +66,27 @@ def profile_decode(engine: LLMEngine, device: str, steps: int = 5) -> dict:
             kernels[e.key] += t / steps
             counts[e.key] += e.count / steps
     device_us = sum(kernels.values())
-    top = [{"kernel": k[:90], "us_per_step": v, "launches_per_step": counts[k]}
-           for k, v in kernels.most_common(15)]
-    return {"wall_ms": wall * 1e3, "device_ms": device_us / 1e3,
-            "launches_per_step": sum(counts.values()), "top": top}
+    top = [{"kernel": k[:120], "us_per_step": v, "launches_per_step": counts[k]}
+           for k, v in kernels.most_common(40)]
+    gemm_us = sum(v for k, v in kernels.items() if _is_gemm(k))
+    host = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    top_host = [{"op": e.key[:90], "self_us_per_step": e.self_cpu_time_total / steps,
+                 "calls_per_step": e.count / steps} for e in host[:15]]
+    return {"wall_ms": wall * 1e3, "device_ms": device_us / 1e3, "gemm_ms": gemm_us / 1e3,
+            "launches_per_step": sum(counts.values()), "top": top, "top_host": top_host}
 
 
-def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 5) -> dict:
-    """Wrap each phase of ``DFlashSpeculator.step`` with a synchronised timer."""
+def _is_gemm(kernel: str) -> bool:
+    """cuBLAS/cuBLASLt kernel names (sm90_xmma, nvjet, cutlass, gemv)."""
+    return any(s in kernel.lower() for s in ("gemm", "gemv", "xmma", "nvjet", "cutlass"))
+
+
+def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 20, warm: int = 3) -> dict:
+    """Wrap each phase of ``DFlashSpeculator.step`` with a synchronised timer; medians over
+    ``steps`` steps after ``warm`` untimed ones (the first steps of a new accepted length may
+    compile kernels)."""
     spec, target = engine.speculator, engine.speculator.target
-    totals = collections.defaultdict(float)
+    current = collections.defaultdict(float)
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -82,7 +94,7 @@ def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 5) -> dict:
             t = time.perf_counter()
             out = fn(*args, **kwargs)
             _sync(device)
-            totals[name] += time.perf_counter() - t
+            current[name] += time.perf_counter() - t
             return out
         return wrapper
 
@@ -96,24 +108,26 @@ def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 5) -> dict:
     if verify is not None:
         originals["verify"] = verify.run
         verify.run = timed("verify", verify.run)
+    rows = []
     try:
-        engine.step()  # warm
-        totals.clear()
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
+        for i in range(warm + steps):
+            current.clear()
+            _sync(device)
+            start = time.perf_counter()
             engine.step()
-        _sync(device)
-        wall = (time.perf_counter() - start) / steps
+            _sync(device)
+            wall = time.perf_counter() - start
+            if i >= warm:
+                row = {name: current[name] * 1e3 for name in PHASES}
+                row["rest"] = wall * 1e3 - sum(row.values())
+                row["step"] = wall * 1e3
+                rows.append(row)
     finally:
         spec.propose, spec._accept = originals["propose"], originals["accept"]
         target.commit_verified, spec.extend_context = originals["commit"], originals["context"]
         if verify is not None:
             verify.run = originals["verify"]
-    row = {name: totals[name] / steps * 1e3 for name in PHASES}
-    row["rest"] = wall * 1e3 - sum(row.values())
-    row["step"] = wall * 1e3
-    return row
+    return {name: statistics.median(r[name] for r in rows) for name in rows[0]}
 
 
 def main(argv=None) -> int:
@@ -134,18 +148,25 @@ def main(argv=None) -> int:
                           max_running=max(8, args.batch), graphs=True)
         prompt_len, vocab = 512, None
     for engine in (plain, spec):
-        fill_batch(engine, args.batch, prompt_len, 200, vocab=vocab)
+        fill_batch(engine, args.batch, prompt_len, 400, vocab=vocab)
     decode = profile_decode(plain, args.device)
     dflash = time_dflash_phases(spec, args.device)
+    dflash_profile = profile_decode(spec, args.device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": args.model, "batch": args.batch, "decode": decode,
-                               "dflash": dflash}, indent=2))
-    print(f"decode step: wall {decode['wall_ms']:.2f} ms, device {decode['device_ms']:.2f} ms, "
-          f"{decode['launches_per_step']:.0f} launches")
-    for k in decode["top"]:
+                               "dflash": dflash, "dflash_profile": dflash_profile}, indent=2))
+    print(f"decode step: wall {decode['wall_ms']:.2f} ms, device {decode['device_ms']:.2f} ms "
+          f"(GEMMs {decode['gemm_ms']:.2f} ms), {decode['launches_per_step']:.0f} launches")
+    for k in decode["top"][:25]:
         print(f"  {k['us_per_step']:>9.1f} us  x{k['launches_per_step']:<5.0f} {k['kernel']}")
-    print("dflash step (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in dflash.items()))
+    print(f"dflash step: wall {dflash_profile['wall_ms']:.2f} ms, device "
+          f"{dflash_profile['device_ms']:.2f} ms, {dflash_profile['launches_per_step']:.0f} launches")
+    for k in dflash_profile["top"][:12]:
+        print(f"  {k['us_per_step']:>9.1f} us  x{k['launches_per_step']:<5.0f} {k['kernel']}")
+    for k in dflash_profile["top_host"][:12]:
+        print(f"  host {k['self_us_per_step']:>9.1f} us  x{k['calls_per_step']:<5.0f} {k['op']}")
+    print("dflash step, medians (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in dflash.items()))
     return 0
 
 

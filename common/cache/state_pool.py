@@ -74,8 +74,9 @@ class VerifyBuffers:
         self.a[layer, self._index] = a.to(self.a.dtype)
         self.b[layer, self._index] = b.to(self.b.dtype)
 
-    def accepted_index(self, batch, accepted_lens: list[int]) -> torch.Tensor:
-        """[sum(accepted_lens)] buffer rows of each request's first ``accepted_lens[r]`` tokens.
+    def accepted_lengths(self, batch, accepted_lens: list[int]) -> torch.Tensor:
+        """``accepted_lens`` checked against the pending VERIFY batch, as an int32 tensor on the
+        buffers' device (one small copy for all layers of the commit).
 
         Raises ValueError when ``batch`` is not the pending VERIFY batch or a length is outside
         ``1..extend_lens[r]``.
@@ -92,8 +93,10 @@ class VerifyBuffers:
             if not 1 <= j <= k:
                 raise ValueError(f"request {r}: accepted length {j} is outside 1..{k} (the "
                                  "first verified token is always kept)")
-        index = [r * self.tokens + i for r, j in enumerate(accepted_lens) for i in range(j)]
-        return torch.tensor(index, dtype=torch.int64, device=self.qkv.device)
+        lens = torch.tensor(accepted_lens, dtype=torch.int32)
+        if self.qkv.is_cuda:
+            lens = lens.pin_memory()
+        return lens.to(self.qkv.device, non_blocking=True)
 
     def finish(self) -> None:
         self.pending, self._index = None, None

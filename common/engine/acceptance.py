@@ -37,7 +37,8 @@ def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> list[Acceptance
     choice = logits.argmax(-1)  # [N, B]
     match = (drafts == choice[:, :-1]).int().cumprod(-1).sum(-1)  # [N]
     bonus = choice.gather(1, match[:, None]).squeeze(1)
-    return [Acceptance(int(m), int(b)) for m, b in zip(match.tolist(), bonus.tolist())]
+    matches, bonuses = torch.stack([match.to(bonus.dtype), bonus]).tolist()  # one host read
+    return [Acceptance(int(m), int(b)) for m, b in zip(matches, bonuses)]
 
 
 def accept_sampled(drafts_row: torch.Tensor, logits_row: torch.Tensor, params: SamplingParams,

@@ -18,9 +18,11 @@ MODEL_OPS = {
     "gdn_recurrent": "recurrent_gated_delta_rule",
     "gdn_decode_in_place": "gdn_decode_in_place",
     "conv1d_update_in_place": "conv1d_update_in_place",
+    "gdn_commit_in_place": "gdn_commit_in_place",
     "rope": "apply_rope",
     "paged_attention": "paged_attention",
-    "store_paged_kv": "store_paged_kv",
+    "qk_norm_rope_store": "qk_norm_rope_store",
+    "sigmoid_gate_mul": "sigmoid_gate_mul",
     "draft_attention": "draft_block_attention",
     "silu_and_mul": "silu_and_mul",
     "sparse_moe": "sparse_moe",
@@ -40,9 +42,11 @@ class Kernels:
     gdn_recurrent: Callable
     gdn_decode_in_place: Callable
     conv1d_update_in_place: Callable
+    gdn_commit_in_place: Callable
     rope: Callable
     paged_attention: Callable
-    store_paged_kv: Callable
+    qk_norm_rope_store: Callable
+    sigmoid_gate_mul: Callable
     draft_attention: Callable
     silu_and_mul: Callable
     sparse_moe: Callable

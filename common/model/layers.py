@@ -202,8 +202,7 @@ class GatedDeltaNet(nn.Module):
         Args:
             mixed_qkv: [T, conv_dim] pre-conv rows. a, b: [T, HV] gate projections.
             conv_state: [N, conv_dim, W-1]. ssm_state: [N, HV, V, K] (pool layout).
-            short: a few tokens per request (a verify block, or the accepted part of one):
-                the token recurrence, which decode also runs, instead of the chunked form.
+            short: a few tokens per request (a verify block): the token recurrence, which decode also runs, instead of the chunked form.
                 It reads no length on the host, so a verify forward can be captured.
 
         Returns:
@@ -221,28 +220,24 @@ class GatedDeltaNet(nn.Module):
         return o, new_conv, final_state.transpose(-1, -2)
 
     def commit_verified(self, *, kernels: Kernels, pool: GDNStatePool, slots: torch.Tensor,
-                        index: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
-        """Fold the first ``accepted_lens[r]`` verified tokens of each request into its slot.
+                        accepted: torch.Tensor) -> None:
+        """Fold the first ``accepted[r]`` verified tokens of each request into its slot.
 
-        Replays conv and delta rule from the committed state over the recorded inputs, with the
-        same kernels EXTEND uses, so the slot ends up as if EXTEND had run on exactly those tokens.
+        Replays conv and delta rule from the committed state over the recorded inputs
+        (``gdn_commit_in_place``), so the slot ends up as if EXTEND had run on exactly those
+        tokens.
 
         Args:
-            slots: [N] state slots of the verified requests.
-            index: [sum(accepted_lens)] verify-buffer rows of the accepted tokens, request order.
-            cu_seqlens: [N+1] offsets of each request's accepted tokens in ``index``, on the
-                pool's device (built once for all layers: a host tensor would be copied to the
-                device, and so waited for, twice per layer).
+            slots: [N] state slots of the verified requests (the VERIFY batch's rows).
+            accepted: int [N] on the pool's device, each in ``1..block``.
         """
         layer = pool.layer_index(self.layer_id)
         buffers = pool.verify
-        # NOTE: the output o is computed and dropped; a fused commit kernel would skip it.
-        _, new_conv, final_state = self._mix(
-            kernels, buffers.qkv[layer, index], buffers.a[layer, index], buffers.b[layer, index],
-            cu_seqlens=cu_seqlens, conv_state=pool.conv[layer, slots],
-            ssm_state=pool.ssm[layer, slots], short=True)
-        pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
-        pool.ssm[layer, slots] = final_state.to(pool.ssm.dtype)
+        kernels.gdn_commit_in_place(
+            qkv=buffers.qkv[layer], a=buffers.a[layer], b=buffers.b[layer], block=buffers.tokens,
+            accepted=accepted, conv_pool=pool.conv[layer], conv_weight=self.conv1d.weight.squeeze(1),
+            ssm_pool=pool.ssm[layer], slots=slots, A_log=self.A_log, dt_bias=self.dt_bias,
+            num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads)
 
 
 class GatedAttention(nn.Module):
@@ -270,14 +265,15 @@ class GatedAttention(nn.Module):
         qg, k, v = self.qkv_proj(x)
         qg = qg.view(num_tokens, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
-        q = self.q_norm(q, kn)
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim), kn)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = kn.rope(q=q, k=k, positions=batch.positions, inv_freq=ctx.inv_freq)
-        # VERIFY writes all k tokens too: KV past a request's committed length is never read
-        # (queries see positions < prefix + extend only) and the next forward overwrites it.
-        kn.store_paged_kv(kv=ctx.kv_pool.layer_kv(self.layer_id), loc=batch.out_cache_loc,
-                          k=k, v=v)
+        # q/k norms, RoPE and the K/V store in one op. VERIFY writes all k tokens too: KV past
+        # a request's committed length is never read (queries see positions < prefix + extend
+        # only) and the next forward overwrites it.
+        q, _ = kn.qk_norm_rope_store(
+            q=q, k=k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v=v.view(num_tokens, self.num_kv_heads, self.head_dim), q_weight=self.q_norm.weight,
+            k_weight=self.k_norm.weight, eps=self.q_norm.eps, positions=batch.positions,
+            inv_freq=ctx.inv_freq, kv=ctx.kv_pool.layer_kv(self.layer_id),
+            loc=batch.out_cache_loc)
         k_cache, v_cache = ctx.kv_pool.layer_cache(self.layer_id)
         if batch.attention is not None:
             o = batch.attention.run(q, k_cache, v_cache)
@@ -285,8 +281,7 @@ class GatedAttention(nn.Module):
             o = kn.paged_attention(q=q, k_cache=k_cache, v_cache=v_cache,
                                    page_table=batch.page_table, prefix_lens=batch.prefix_lens,
                                    extend_lens=batch.extend_lens, scale=self.scale)
-        o = (o.view(num_tokens, self.num_heads, self.head_dim) * torch.sigmoid(gate)).view(
-            num_tokens, -1)
+        o = kn.sigmoid_gate_mul(x=o.view(num_tokens, self.num_heads, self.head_dim), gate=gate)
         return self.o_proj(o)
 
 

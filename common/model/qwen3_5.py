@@ -111,16 +111,11 @@ class HybridModel(nn.Module):
         buffers = state_pool.verify
         if buffers is None:
             raise ValueError("commit without a pending VERIFY forward (no verify buffers)")
-        index = buffers.accepted_index(batch, accepted_lens)
-        bounds = [0]
-        for j in accepted_lens:
-            bounds.append(bounds[-1] + j)
-        cu = torch.tensor(bounds, dtype=torch.int64, device=index.device)
+        accepted = buffers.accepted_lengths(batch, accepted_lens)
         for layer in self.layers:
             if not layer.is_full_attention:
                 layer.linear_attn.commit_verified(
-                    kernels=kernels, pool=state_pool, slots=batch.state_slots, index=index,
-                    cu_seqlens=cu)
+                    kernels=kernels, pool=state_pool, slots=batch.state_slots, accepted=accepted)
         buffers.finish()
 
 

@@ -7,14 +7,16 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
   prefill (128-dim heads; other head dims and fp32 go to fla), our Triton token recurrence
   (verify blocks and their commits: no host read, so a verify forward can be captured in a CUDA
   graph; faster than fla's at decode sizes), our Triton conv1d, our Triton in-place decode
-  steps on the state pool (conv and recurrence), FlashInfer paged attention (fp16/bf16 with head
+  steps on the state pool (conv and recurrence) and commit of verified tokens into it,
+  FlashInfer paged attention (fp16/bf16 with head
   dim 64/128/256; anything else goes to the reference), our Triton DFLASH draft block attention.
 - ``gpu-fla``: as ``gpu`` but with fla's chunked prefill, for machines whose FlashInfer lacks
   the CuTe-DSL libraries its GDN kernels need.
 
 Both GPU sets also use our Triton RMSNorm / gated RMSNorm, GDN gates and RoPE: one launch per
 call where the reference's elementwise torch code launches 6-10 kernels; likewise the fused
-residual add + RMSNorm, the SwiGLU activation and the paged K/V store. Ops with no GPU backend
+residual add + RMSNorm, the SwiGLU activation, the paged K/V store, the attention layer's q/k
+norms + RoPE + K/V store (one launch) and its sigmoid output gate. Ops with no GPU backend
 (l2norm, rope_inv_freq, MLP, MoE) are plain torch, which runs on the GPU.
 """
 
@@ -31,6 +33,7 @@ _GPU = {
     "causal_conv1d_update": "triton",
     "gdn_decode_in_place": "triton",
     "conv1d_update_in_place": "triton",
+    "gdn_commit_in_place": "triton",
     "paged_attention": "flashinfer",
     "draft_block_attention": "triton",
     "rms_norm": "triton",
@@ -40,6 +43,8 @@ _GPU = {
     "add_rms_norm": "triton",
     "silu_and_mul": "triton",
     "store_paged_kv": "triton",
+    "qk_norm_rope_store": "triton",
+    "sigmoid_gate_mul": "triton",
 }
 
 BACKEND_SETS: dict[str, dict[str, str]] = {

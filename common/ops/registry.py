@@ -23,8 +23,11 @@ REFERENCE_OPS: dict[str, str] = {
     "causal_conv1d_update": "common.ops.conv1d.reference",
     "gdn_decode_in_place": "common.ops.gdn.reference",
     "conv1d_update_in_place": "common.ops.conv1d.reference",
+    "gdn_commit_in_place": "common.ops.gdn.commit_reference",
     "paged_attention": "common.ops.attention.reference",
     "store_paged_kv": "common.ops.attention.kv_store_reference",
+    "qk_norm_rope_store": "common.ops.attention.qk_prep_reference",
+    "sigmoid_gate_mul": "common.ops.attention.output_gate_reference",
     "draft_block_attention": "common.ops.attention.draft_reference",
     "rms_norm": "common.ops.norm.reference",
     "add_rms_norm": "common.ops.norm.reference",
@@ -52,6 +55,7 @@ GPU_OPS: dict[str, dict[str, str]] = {
     "causal_conv1d_update": {"triton": "common.ops.conv1d.triton"},
     "gdn_decode_in_place": {"triton": "common.ops.gdn.triton"},
     "conv1d_update_in_place": {"triton": "common.ops.conv1d.triton"},
+    "gdn_commit_in_place": {"triton": "common.ops.gdn.commit_triton"},
     "paged_attention": {"flashinfer": "common.ops.attention.flashinfer"},
     "draft_block_attention": {"triton": "common.ops.attention.draft_triton"},
     "rms_norm": {"triton": "common.ops.norm.triton"},
@@ -61,6 +65,8 @@ GPU_OPS: dict[str, dict[str, str]] = {
     "apply_rope": {"triton": "common.ops.rope.triton"},
     "silu_and_mul": {"triton": "common.ops.mlp.triton"},
     "store_paged_kv": {"triton": "common.ops.attention.kv_store_triton"},
+    "qk_norm_rope_store": {"triton": "common.ops.attention.qk_prep_triton"},
+    "sigmoid_gate_mul": {"triton": "common.ops.attention.output_gate_triton"},
 }
 
 Factory = Callable[[], Callable[..., Any]]
