@@ -30,7 +30,7 @@ import torch
 
 from common.ops.attention import reference
 
-__all__ = ["paged_attention", "supports", "PREFILL_BACKEND"]
+__all__ = ["paged_attention", "supports", "decode_uses_tensor_cores", "PREFILL_BACKEND"]
 
 # FlashInfer prefill backend; fa3 is the Hopper kernel, "auto" lets FlashInfer choose.
 PREFILL_BACKEND = os.environ.get("FLASHSPLIT_FLASHINFER_PREFILL_BACKEND", "fa3")
@@ -38,7 +38,7 @@ _WORKSPACE_BYTES = 256 * 1024 * 1024
 _HEAD_DIMS = (64, 128, 256)
 
 _workspaces: dict[torch.device, torch.Tensor] = {}
-_wrappers: dict[tuple[str, torch.device], object] = {}
+_wrappers: dict[tuple[str, torch.device, bool], object] = {}
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
@@ -47,8 +47,16 @@ def _workspace(device: torch.device) -> torch.Tensor:
     return _workspaces[device]
 
 
-def _wrapper(kind: str, device: torch.device):
-    key = (kind, device)
+def decode_uses_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len: int = 1) -> bool:
+    """FlashInfer's decode wrapper runs its tensor-core (prefill) kernel for verify blocks and
+    for groups of 4+ query heads per KV head: its CUDA-core kernel walks a short KV serially
+    per head and was 5x slower at Qwen3.5-4B's group of 4 and batch 1 (docs/kernels.md).
+    SGLang applies the same group-size rule."""
+    return q_len > 1 or num_qo_heads // num_kv_heads >= 4
+
+
+def _wrapper(kind: str, device: torch.device, tensor_cores: bool = False):
+    key = (kind, device, tensor_cores)
     if key not in _wrappers:
         import flashinfer
 
@@ -56,7 +64,8 @@ def _wrapper(kind: str, device: torch.device):
             _wrappers[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 _workspace(device), "NHD", backend=PREFILL_BACKEND)
         else:
-            _wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(device), "NHD")
+            _wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                _workspace(device), "NHD", use_tensor_cores=tensor_cores)
     return _wrappers[key]
 
 
@@ -128,7 +137,7 @@ def paged_attention(
     kv_indptr, kv_indices, last = page_indices(table.to(q.device, non_blocking=True), seq_lens, page_size)
     q = q if q.is_contiguous() else q.contiguous()
     if all(extend[r] == 1 for r in rows):
-        wrapper = _wrapper("decode", q.device)
+        wrapper = _wrapper("decode", q.device, decode_uses_tensor_cores(h, kvh))
         wrapper.plan(kv_indptr, kv_indices, last, h, kvh, d, page_size, q_data_type=q.dtype,
                      kv_data_type=k_cache.dtype, sm_scale=scale)
         wrapper.run(q, (k_cache, v_cache), out=out)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from common.ops.attention.flashinfer import decode_uses_tensor_cores
 from common.ops.attention.planned import page_layout
 
 __all__ = ["FlashInferGraphAttention", "workspace"]
@@ -38,11 +39,13 @@ class FlashInferGraphAttention:
         q_len: new tokens per row (1: decode; B: verify of a block of B).
         max_pages: most page indices a plan may hold (all rows together).
         float_workspace: from :func:`workspace`.
+        tensor_cores: FlashInfer's tensor-core decode kernel (default: ``decode_uses_tensor_cores``).
     """
 
     def __init__(self, *, batch_size: int, q_len: int, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, max_pages: int, dtype: torch.dtype,
-                 scale: float, float_workspace: torch.Tensor) -> None:
+                 scale: float, float_workspace: torch.Tensor,
+                 tensor_cores: bool | None = None) -> None:
         import flashinfer
 
         device = float_workspace.device
@@ -53,7 +56,9 @@ class FlashInferGraphAttention:
         self.indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
         self.last_page_len = torch.ones(batch_size, dtype=torch.int32, device=device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            float_workspace, "NHD", use_cuda_graph=True, use_tensor_cores=q_len > 1,
+            float_workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=(decode_uses_tensor_cores(num_qo_heads, num_kv_heads, q_len)
+                              if tensor_cores is None else tensor_cores),
             paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
             paged_kv_last_page_len_buffer=self.last_page_len, backend="fa2")
 
