@@ -219,26 +219,6 @@ class GatedDeltaNet(nn.Module):
                               initial_state=ssm_state.transpose(-1, -2), use_qk_l2norm=True)
         return o, new_conv, final_state.transpose(-1, -2)
 
-    def commit_verified(self, *, kernels: Kernels, pool: GDNStatePool, slots: torch.Tensor,
-                        accepted: torch.Tensor) -> None:
-        """Fold the first ``accepted[r]`` verified tokens of each request into its slot.
-
-        Replays conv and delta rule from the committed state over the recorded inputs
-        (``gdn_commit_in_place``), so the slot ends up as if EXTEND had run on exactly those
-        tokens.
-
-        Args:
-            slots: [N] state slots of the verified requests (the VERIFY batch's rows).
-            accepted: int [N] on the pool's device, each in ``1..block``.
-        """
-        layer = pool.layer_index(self.layer_id)
-        buffers = pool.verify
-        kernels.gdn_commit_in_place(
-            qkv=buffers.qkv[layer], a=buffers.a[layer], b=buffers.b[layer], block=buffers.tokens,
-            accepted=accepted, conv_pool=pool.conv[layer], conv_weight=self.conv1d.weight.squeeze(1),
-            ssm_pool=pool.ssm[layer], slots=slots, A_log=self.A_log, dt_bias=self.dt_bias,
-            num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads)
-
 
 class GatedAttention(nn.Module):
     """Full attention with q/k norm, partial NeoX RoPE, GQA and a sigmoid output gate."""

@@ -79,6 +79,8 @@ class HybridModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.capture_layer_ids: tuple[int, ...] = ()
+        self._stacked_key: tuple | None = None  # see _stacked_gdn_params
+        self._stacked: tuple[torch.Tensor, ...] = ()
 
     def set_dflash_layers_to_capture(self, layer_ids) -> None:
         if layer_ids is None:
@@ -107,16 +109,36 @@ class HybridModel(nn.Module):
 
     def commit_verified(self, batch: ForwardBatch, accepted_lens: list[int], *,
                         state_pool: GDNStatePool, kernels: Kernels) -> None:
-        """Replay each GDN layer's accepted verify inputs into the slots (see the wrapper)."""
+        """Replay every GDN layer's accepted verify inputs into the slots, all layers in one
+        ``gdn_commit_in_place`` call (see the wrapper)."""
         buffers = state_pool.verify
         if buffers is None:
             raise ValueError("commit without a pending VERIFY forward (no verify buffers)")
         accepted = buffers.accepted_lengths(batch, accepted_lens)
-        for layer in self.layers:
-            if not layer.is_full_attention:
-                layer.linear_attn.commit_verified(
-                    kernels=kernels, pool=state_pool, slots=batch.state_slots, accepted=accepted)
+        mixers = [layer.linear_attn for layer in self.layers if not layer.is_full_attention]
+        if tuple(m.layer_id for m in mixers) != state_pool.layer_ids:
+            raise ValueError(f"state pool layers {state_pool.layer_ids} are not this model's "
+                             "GDN layers")
+        conv_weight, A_log, dt_bias = self._stacked_gdn_params(mixers)
+        kernels.gdn_commit_in_place(
+            qkv=buffers.qkv, a=buffers.a, b=buffers.b, block=buffers.tokens, accepted=accepted,
+            conv_pool=state_pool.conv, conv_weight=conv_weight, ssm_pool=state_pool.ssm,
+            slots=batch.state_slots, A_log=A_log, dt_bias=dt_bias,
+            num_k_heads=mixers[0].num_k_heads, num_v_heads=mixers[0].num_v_heads)
         buffers.finish()
+
+    def _stacked_gdn_params(self, mixers) -> tuple[torch.Tensor, ...]:
+        """The GDN layers' conv weights [L, conv_dim, W], A_log and dt_bias [L, HV], stacked
+        once (the commit takes all layers at once); stacked again if a weight was replaced or
+        written in place since."""
+        sources = [t for m in mixers for t in (m.conv1d.weight, m.A_log, m.dt_bias)]
+        key = tuple((t.data_ptr(), t._version) for t in sources)
+        if self._stacked_key != key:
+            self._stacked = (torch.stack([m.conv1d.weight.detach().squeeze(1) for m in mixers]),
+                             torch.stack([m.A_log.detach() for m in mixers]),
+                             torch.stack([m.dt_bias.detach() for m in mixers]))
+            self._stacked_key = key
+        return self._stacked
 
 
 class HybridForCausalLM(nn.Module):

@@ -1,14 +1,14 @@
 """Triton commit of a speculative verify into the GDN pool (see ``commit_reference``).
 
-Two launches per layer, no host read (the accepted lengths stay on the device, so the commit can
+Two launches for all layers (a grid axis per layer), no host read (the accepted lengths stay on the device, so the commit can
 follow acceptance without a synchronisation and can be captured):
 
-1. ``_commit_state_kernel``, one program per (value-head V-block, request x value head): the
+1. ``_commit_state_kernel``, one program per (value-head V-block, request x value head, layer): the
    slot's state block stays in registers while the program walks the accepted tokens; each
    token's k and v are the silu conv of the recorded rows (the slot's old window supplies the
    taps before the first token), its gates come from the recorded ``a``, ``b``. Same arithmetic
    and order as the conv, gating and recurrence kernels EXTEND runs, so the state matches theirs.
-2. ``_commit_window_kernel``, one program per (request, channel block): the new window is the
+2. ``_commit_window_kernel``, one program per (request, channel block, layer): the new window is the
    last W-1 inputs of ``old window | accepted rows``. It runs after (1) on the stream, because
    (1) reads the old window.
 """
@@ -49,8 +49,9 @@ def _conv_taps(qkv, stride_r, pool, i_s, s_s, s_d, s_w, w, stride_wd, row0, t, c
 
 @triton.jit
 def _commit_state_kernel(
-    qkv, stride_r, a, stride_a, b, stride_b, accepted, slots, conv, c_s, c_d, c_w, w, stride_wd,
-    A_log, dt_bias, ssm, h_s, h_h, h_v, h_k, block,
+    qkv, q_l, stride_r, a, a_l, stride_a, b, b_l, stride_b, accepted, slots,
+    conv, c_l, c_s, c_d, c_w, w, w_l, stride_wd, A_log, al_l, dt_bias, dt_l,
+    ssm, h_l, h_s, h_h, h_v, h_k, block,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, THRESHOLD: tl.constexpr,
 ):
@@ -59,6 +60,13 @@ def _commit_state_kernel(
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_hk = i_hv // (HV // HK)
+    i_l = tl.program_id(2).to(tl.int64)
+    qkv += i_l * q_l
+    a += i_l * a_l
+    b += i_l * b_l
+    conv += i_l * c_l
+    w += i_l * w_l
+    ssm += i_l * h_l
     length = tl.load(accepted + i_n).to(tl.int64)
     i_s = tl.load(slots + i_n).to(tl.int64)
     row0 = i_n * block
@@ -74,8 +82,8 @@ def _commit_state_kernel(
     # state block [BK, BV] K-major, read from the K-last pool row
     p_h = ssm + i_s * h_s + i_hv * h_h + o_k[:, None] * h_k + o_v[None, :] * h_v
     b_h = tl.load(p_h, mask=m_h, other=0.0).to(tl.float32)
-    alog = tl.load(A_log + i_hv).to(tl.float32)
-    bias = tl.load(dt_bias + i_hv).to(tl.float32)
+    alog = tl.load(A_log + i_l * al_l + i_hv).to(tl.float32)
+    bias = tl.load(dt_bias + i_l * dt_l + i_hv).to(tl.float32)
     for t in range(0, length):
         b_k = _conv_taps(qkv, stride_r, conv, i_s, c_s, c_d, c_w, w, stride_wd, row0, t, ch_k,
                          m_k, W)
@@ -95,10 +103,13 @@ def _commit_state_kernel(
 
 @triton.jit
 def _commit_window_kernel(
-    qkv, stride_r, accepted, slots, conv, c_s, c_d, c_w, block, D,
+    qkv, q_l, stride_r, accepted, slots, conv, c_l, c_s, c_d, c_w, block, D,
     W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
+    i_l = tl.program_id(2).to(tl.int64)
+    qkv += i_l * q_l
+    conv += i_l * c_l
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     mask_d = offs_d < D
     length = tl.load(accepted + n).to(tl.int64)
@@ -118,7 +129,7 @@ def _commit_window_kernel(
 
 
 def _supported(*tensors: torch.Tensor) -> bool:
-    return (on_gpu(*tensors) or INTERPRET) and all(t.stride(-1) == 1 for t in tensors[:3])
+    return (on_gpu(*tensors) or INTERPRET) and all(t.stride(-1) == 1 for t in tensors)
 
 
 def gdn_commit_in_place(
@@ -144,9 +155,9 @@ def gdn_commit_in_place(
     args = dict(qkv=qkv, a=a, b=b, block=block, accepted=accepted, conv_pool=conv_pool,
                 conv_weight=conv_weight, ssm_pool=ssm_pool, slots=slots, A_log=A_log,
                 dt_bias=dt_bias, num_k_heads=num_k_heads, num_v_heads=num_v_heads)
-    if not _supported(qkv, a, b, conv_pool, conv_weight, ssm_pool, A_log, dt_bias):
+    if not _supported(qkv, a, b, conv_weight, A_log, dt_bias):
         return reference.gdn_commit_in_place(**args, scale=scale)
-    n, dk, dv, width = reference.check_commit(**args)
+    layers, n, dk, dv, width = reference.check_commit(**args)
     for name, t in (("accepted", accepted), ("slots", slots)):
         if t.device != ssm_pool.device:
             raise ValueError(f"{name} must be on the pools' device ({ssm_pool.device}), got {t.device}")
@@ -157,16 +168,16 @@ def gdn_commit_in_place(
     hv = num_v_heads
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), 8 if bk >= 128 else 16)
-    _commit_state_kernel[(triton.cdiv(dv, bv), n * hv)](
-        qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), accepted, slots,
-        conv_pool, *conv_pool.stride(), conv_weight, conv_weight.stride(0), A_log, dt_bias,
-        ssm_pool, *ssm_pool.stride(), block,
+    _commit_state_kernel[(triton.cdiv(dv, bv), n * hv, layers)](
+        qkv, *qkv.stride()[:2], a, *a.stride()[:2], b, *b.stride()[:2], accepted, slots,
+        conv_pool, *conv_pool.stride(), conv_weight, *conv_weight.stride()[:2],
+        A_log, A_log.stride(0), dt_bias, dt_bias.stride(0), ssm_pool, *ssm_pool.stride(), block,
         HK=num_k_heads, HV=hv, K=dk, V=dv, BK=bk, BV=bv, W=width,
         THRESHOLD=_SOFTPLUS_THRESHOLD, num_warps=1 if bk * bv <= 1024 else 4,
     )
-    conv_dim = qkv.shape[1]
+    conv_dim = qkv.shape[2]
     bd = 128
-    _commit_window_kernel[(n, triton.cdiv(conv_dim, bd))](
-        qkv, qkv.stride(0), accepted, slots, conv_pool, *conv_pool.stride(), block, conv_dim,
+    _commit_window_kernel[(n, triton.cdiv(conv_dim, bd), layers)](
+        qkv, *qkv.stride()[:2], accepted, slots, conv_pool, *conv_pool.stride(), block, conv_dim,
         W=width, BW=triton.next_power_of_2(max(width - 1, 1)), BD=bd,
     )

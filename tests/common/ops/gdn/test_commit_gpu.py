@@ -1,7 +1,10 @@
 """Triton verify commit against its reference on fresh random inputs of odd sizes.
 
-The reference runs in fp32 on the same (bf16-rounded) inputs; conv windows must be equal (they
-are copies) and states within relative RMSE 1e-4 (fp32 arithmetic in a different order).
+The reference runs on the very same inputs (its arithmetic is fp32, with the conv output rounded
+to the io dtype as EXTEND does). Conv windows must be equal (they are copies). States: fp32 io
+within relative RMSE 1e-6; bf16 io within 2e-3, because a conv output that lands on a bf16
+rounding boundary can round the other way after fp32 sums in a different order (a wrong replay
+is off by O(1)).
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from tests.common.compare import cosine, rel_rmse
 pytestmark = pytest.mark.gpu
 
 
-def make(hk, hv, k, v, w, block, n, dtype, seed, slots_total=13):
+def make(hk, hv, k, v, w, block, n, dtype, seed, slots_total=13, layers=3):
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def rand(*shape, scale=1.0, dt=dtype):
-        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dt)
+        return (torch.randn(layers, *shape, generator=gen, device="cuda") * scale).to(dt)
 
     conv_dim = 2 * hk * k + hv * v
     rows = n * block + 3
@@ -49,18 +52,15 @@ def test_triton_commit_matches_reference(record_metric, dtype, hk, hv, k, v, w, 
     conv, ssm = t["conv_pool"].clone(), t["ssm_pool"].clone()
     tr.gdn_commit_in_place(**args, conv_pool=conv, ssm_pool=ssm)
     conv_ref, ssm_ref = t["conv_pool"].clone(), t["ssm_pool"].clone()
-    as_fp32 = {key: (val.float() if torch.is_tensor(val) and val.is_floating_point() else val)
-               for key, val in args.items()}
-    ssm_ref32 = ssm_ref.clone()
-    conv_ref32 = conv_ref.float()
-    ref.gdn_commit_in_place(**as_fp32, conv_pool=conv_ref32, ssm_pool=ssm_ref32)
-    assert torch.equal(conv[slots].float(), conv_ref32[slots])
-    err = rel_rmse(ssm[slots], ssm_ref32[slots])
+    ref.gdn_commit_in_place(**args, conv_pool=conv_ref, ssm_pool=ssm_ref)
+    assert torch.equal(conv[:, slots], conv_ref[:, slots])
+    err = rel_rmse(ssm[:, slots], ssm_ref[:, slots])
     record_metric("commit.ssm_rel_rmse", err)
-    assert err <= 1e-4 and cosine(ssm[slots], ssm_ref32[slots]) >= 0.99999
-    others = [s for s in range(conv.shape[0]) if s not in slots]
-    assert torch.equal(conv[others], t["conv_pool"][others])
-    assert torch.equal(ssm[others], t["ssm_pool"][others])
+    assert err <= (2e-3 if dtype == torch.bfloat16 else 1e-6)
+    assert cosine(ssm[:, slots], ssm_ref[:, slots]) >= 0.99999
+    others = [s for s in range(conv.shape[1]) if s not in slots]
+    assert torch.equal(conv[:, others], t["conv_pool"][:, others])
+    assert torch.equal(ssm[:, others], t["ssm_pool"][:, others])
 
 
 def test_triton_commit_padding_rows_share_scratch_slot(record_metric):
@@ -79,5 +79,5 @@ def test_triton_commit_padding_rows_share_scratch_slot(record_metric):
             slots=torch.tensor(slots, device="cuda"), A_log=t["A_log"], dt_bias=t["dt_bias"],
             num_k_heads=16, num_v_heads=32)
         outs.append((conv, ssm))
-    assert torch.equal(outs[0][0][live], outs[1][0][live])
-    assert torch.equal(outs[0][1][live], outs[1][1][live])
+    assert torch.equal(outs[0][0][:, live], outs[1][0][:, live])
+    assert torch.equal(outs[0][1][:, live], outs[1][1][:, live])

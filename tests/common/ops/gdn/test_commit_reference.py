@@ -9,7 +9,7 @@ from common.ops.conv1d.reference import conv1d_update_in_place
 from common.ops.gdn.commit_reference import gdn_commit_in_place
 from common.ops.gdn.reference import gdn_decode_in_place, gdn_gating
 
-HK, HV, K, V, W, BLOCK = 2, 4, 8, 6, 4, 5
+HK, HV, K, V, W, BLOCK, LAYERS = 2, 4, 8, 6, 4, 5, 3
 CONV_DIM = 2 * HK * K + HV * V
 
 
@@ -17,31 +17,35 @@ def make(n: int, slots_total: int = 9, seed: int = 0, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+        return (torch.randn(LAYERS, *shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
 
+    rows = n * BLOCK + 3
     return dict(
-        qkv=rand(n * BLOCK + 3, CONV_DIM), a=rand(n * BLOCK + 3, HV), b=rand(n * BLOCK + 3, HV),
+        qkv=rand(rows, CONV_DIM), a=rand(rows, HV), b=rand(rows, HV),
         conv_pool=rand(slots_total, CONV_DIM, W - 1), conv_weight=rand(CONV_DIM, W, scale=0.5),
         ssm_pool=rand(slots_total, HV, V, K, scale=0.3), A_log=rand(HV, scale=0.5),
         dt_bias=rand(HV, scale=0.5))
 
 
 def decode_one_by_one(t, slots, accepted):
-    """Each request's accepted tokens through the decode-step references, one step at a time."""
+    """Each request's accepted tokens through the decode-step references, one step at a time,
+    layer by layer."""
     conv, ssm = t["conv_pool"].clone(), t["ssm_pool"].clone()
     key_dim = HK * K
-    for r, (slot, j) in enumerate(zip(slots, accepted)):
-        for i in range(j):
-            row = r * BLOCK + i
-            x = conv1d_update_in_place(x=t["qkv"][row:row + 1], conv_pool=conv,
-                                       slots=torch.tensor([slot]), weight=t["conv_weight"])
-            q = x[:, :key_dim].reshape(1, HK, K)
-            k = x[:, key_dim:2 * key_dim].reshape(1, HK, K)
-            v = x[:, 2 * key_dim:].reshape(1, HV, V)
-            g, beta = gdn_gating(A_log=t["A_log"], a=t["a"][row:row + 1], dt_bias=t["dt_bias"],
-                                 b=t["b"][row:row + 1])
-            gdn_decode_in_place(q=q, k=k, v=v, g=g, beta=beta, ssm_pool=ssm,
-                                slots=torch.tensor([slot]))
+    for layer in range(LAYERS):
+        for r, (slot, j) in enumerate(zip(slots, accepted)):
+            for i in range(j):
+                row = slice(r * BLOCK + i, r * BLOCK + i + 1)
+                x = conv1d_update_in_place(x=t["qkv"][layer, row], conv_pool=conv[layer],
+                                           slots=torch.tensor([slot]),
+                                           weight=t["conv_weight"][layer])
+                q = x[:, :key_dim].reshape(1, HK, K)
+                k = x[:, key_dim:2 * key_dim].reshape(1, HK, K)
+                v = x[:, 2 * key_dim:].reshape(1, HV, V)
+                g, beta = gdn_gating(A_log=t["A_log"][layer], a=t["a"][layer, row],
+                                     dt_bias=t["dt_bias"][layer], b=t["b"][layer, row])
+                gdn_decode_in_place(q=q, k=k, v=v, g=g, beta=beta, ssm_pool=ssm[layer],
+                                    slots=torch.tensor([slot]))
     return conv, ssm
 
 
@@ -63,9 +67,9 @@ def test_commit_equals_decoding_the_accepted_tokens(accepted):
     torch.testing.assert_close(conv, conv_want, rtol=0, atol=0)
     torch.testing.assert_close(ssm, ssm_want, rtol=1e-10, atol=1e-12)
     untouched = [s for s in range(9) if s not in slots]
-    assert torch.equal(conv[untouched], t["conv_pool"][untouched])
-    assert torch.equal(ssm[untouched], t["ssm_pool"][untouched])
-    assert not torch.equal(ssm[slots], t["ssm_pool"][slots])
+    assert torch.equal(conv[:, untouched], t["conv_pool"][:, untouched])
+    assert torch.equal(ssm[:, untouched], t["ssm_pool"][:, untouched])
+    assert not torch.equal(ssm[:, slots], t["ssm_pool"][:, slots])
 
 
 def test_commit_rejects_bad_lengths_and_shapes():
@@ -76,9 +80,12 @@ def test_commit_rejects_bad_lengths_and_shapes():
         commit(t, [1, 2], [1, BLOCK + 1])
     with pytest.raises(ValueError, match="accepted must be"):
         commit(t, [1, 2], [1])
-    bad = dict(t, a=t["a"][:, :3])
+    bad = dict(t, a=t["a"][..., :3])
     with pytest.raises(ValueError, match="a and b"):
         commit(bad, [1, 2], [1, 1])
     bad = dict(t, conv_pool=t["conv_pool"][..., :2])
     with pytest.raises(ValueError, match="conv_pool"):
+        commit(bad, [1, 2], [1, 1])
+    bad = dict(t, A_log=t["A_log"][:2])
+    with pytest.raises(ValueError, match="A_log"):
         commit(bad, [1, 2], [1, 1])
