@@ -142,17 +142,23 @@ class GraphRunner:
     Call :meth:`capture` once the model's kernels are warm (a worker does it in warm-up); until
     then (and for batches larger than the largest size) :meth:`serves` is False and the caller
     runs the forward eagerly.
+
+    ``after_forward(out, batch)``, when given, runs right after the forward on every row of the
+    padded batch, inside the same graph (DFLASH extends its draft context there).
     """
 
     def __init__(self, model: HybridForCausalLM, kv_pool: KVPool, state_pool: GDNStatePool, *,
                  batch_sizes: Sequence[int], mode: ForwardMode = ForwardMode.DECODE,
-                 q_len: int = 1, capture: bool = True) -> None:
+                 q_len: int = 1, capture: bool = True,
+                 after_forward: Callable[[ModelOutput, ForwardBatch], None] | None = None
+                 ) -> None:
         if mode == ForwardMode.DECODE and q_len != 1:
             raise ValueError("a DECODE graph has one new token per request")
         if mode == ForwardMode.EXTEND:
             raise ValueError("EXTEND batches have varying lengths and are not captured")
         self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
         self.mode, self.q_len, self.capture_graphs = mode, q_len, capture
+        self.after_forward = after_forward
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         device = kv_pool.kv.device
         self.inputs = StaticInputs(self.batch_sizes[-1], q_len, device)
@@ -203,7 +209,10 @@ class GraphRunner:
         self.captured = True
 
     def _forward(self, batch: ForwardBatch) -> ModelOutput:
-        return self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+        out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+        if self.after_forward is not None:
+            self.after_forward(out, batch)
+        return out
 
     def run(self, requests: Sequence[Request], token_ids: Sequence[Sequence[int]] | None, *,
             input_ids: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -65,9 +65,14 @@ class DFlashSpeculator:
         if graphs is not None and max_requests > 0:
             cap = min(max_requests, max(1, self.VERIFY_GRAPH_TOKENS // self.block_size))
             sizes = graphs.batch_sizes(cap)
+            # the draft context of every verified token is written inside the verify graph;
+            # rejected tokens' entries lie past the committed length, where nothing reads them
+            # before a later step overwrites them (as with the target's KV)
             self.verify_graphs = GraphRunner(
                 target, kv_pool, state_pool, batch_sizes=sizes, mode=ForwardMode.VERIFY,
-                q_len=self.block_size, capture=graphs.capture)
+                q_len=self.block_size, capture=graphs.capture,
+                after_forward=lambda out, batch: self.extend_context(out.aux_hidden_states,
+                                                                     batch))
             self.draft_graphs = DraftGraphRunner(
                 draft, target, self.draft_pool, batch_sizes=sizes, block_size=self.block_size,
                 mask_token_id=self.mask_token_id, capture=graphs.capture)
@@ -119,21 +124,20 @@ class DFlashSpeculator:
         drafts = self.propose(requests, pages)  # [N, B-1]
         tokens = [[r.output_ids[-1]] + d for r, d in zip(requests, drafts.tolist())]
         if self.verify_graphs is not None and self.verify_graphs.serves(n):
-            out, batch = self.verify_graphs.run(requests, tokens)
+            out, batch = self.verify_graphs.run(requests, tokens)  # context extended inside
         else:
             batch = ForwardBatch.build(
                 mode=ForwardMode.VERIFY, token_ids=tokens,
                 prefix_lens=[r.num_cached for r in requests], page_ids=pages,
                 page_size=page_size, state_slots=[r.slot for r in requests], device=device)
             out = self.target(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+            self.extend_context(out.aux_hidden_states, batch)
         logits = out.logits.view(n, b, -1)
         accepted = self._accept(requests, drafts, logits, seed_for)
         commits = [a.commit_len for a in accepted]
         # padding rows of a graph batch commit one token into the scratch slot
         self.target.commit_verified(batch, commits + [1] * (batch.num_requests - n),
                                     state_pool=self.state_pool)
-        rows = torch.cat([torch.arange(j, device=device) + i * b for i, j in enumerate(commits)])
-        self.extend_context(out.aux_hidden_states, batch, rows)
         outcomes = []
         for r, d, a in zip(requests, drafts.tolist(), accepted):
             r.num_cached += a.commit_len

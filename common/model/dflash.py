@@ -59,12 +59,6 @@ class DraftKVPool:
         """K and V of draft layer ``layer``, each ``[num_pages, page_size, kv_heads, hd]``."""
         return self.kv[layer, :, 0], self.kv[layer, :, 1]
 
-    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V ``[T, kv_heads, hd]`` at flat slots ``loc`` ``[T]`` (page*page_size+offset)."""
-        page, offset = loc // self.page_size, loc % self.page_size
-        self.kv[layer, page, 0, offset] = k.to(self.kv.dtype)
-        self.kv[layer, page, 1, offset] = v.to(self.kv.dtype)
-
 
 class PlainRMSNorm(nn.Module):
     """Qwen3's RMSNorm ``x̂ · w`` (not the zero-centred ``1 + w`` of the Qwen3.5 target)."""
@@ -204,7 +198,7 @@ class DFlashDraftModel(nn.Module):
         ctx = self.hidden_norm(self.fc(aux_hidden.to(self.dtype)), kn)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(ctx, positions, kn, self.inv_freq)
-            pool.write(i, out_cache_loc, k, v)
+            kn.store_paged_kv(kv=pool.kv[i], loc=out_cache_loc, k=k, v=v)
 
     @torch.inference_mode()
     def propose(self, *, block_ids: torch.Tensor, start_positions, page_table: torch.Tensor,

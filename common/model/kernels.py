@@ -21,6 +21,7 @@ MODEL_OPS = {
     "gdn_commit_in_place": "gdn_commit_in_place",
     "rope": "apply_rope",
     "paged_attention": "paged_attention",
+    "store_paged_kv": "store_paged_kv",
     "qk_norm_rope_store": "qk_norm_rope_store",
     "sigmoid_gate_mul": "sigmoid_gate_mul",
     "draft_attention": "draft_block_attention",
@@ -45,6 +46,7 @@ class Kernels:
     gdn_commit_in_place: Callable
     rope: Callable
     paged_attention: Callable
+    store_paged_kv: Callable
     qk_norm_rope_store: Callable
     sigmoid_gate_mul: Callable
     draft_attention: Callable
