@@ -33,12 +33,9 @@ class VerifyBuffers:
         self.a = torch.zeros(num_layers, rows * tokens, num_value_heads, dtype=dtype,
                              device=device)
         self.b = torch.zeros_like(self.a)
-        # buffer row of token i of batch row r, on the device: a batch whose rows all have one
-        # length takes its index from here without a host-to-device copy (CUDA-graph capture)
-        self._grid = (torch.arange(rows, device=device)[:, None] * tokens
-                      + torch.arange(tokens, device=device)[None, :])
         self.pending = None  # the ForwardBatch whose inputs the buffers hold, until committed
         self._index: torch.Tensor | None = None  # [T] buffer row of each token of `pending`
+        self._uniform: tuple[int, int] | None = None  # (rows, length) when all rows have one
 
     @staticmethod
     def bytes_per_row(*, num_layers: int, tokens: int, conv_dim: int, num_value_heads: int,
@@ -58,10 +55,12 @@ class VerifyBuffers:
                 f"does not fit buffers of {self.rows} rows x {self.tokens} tokens")
         lens = batch.extend_lens
         if min(lens) == max(lens):
-            self._index = self._grid[:len(lens), :lens[0]].reshape(-1)
+            # every row has one length (always so for DFLASH): a strided copy, no index tensor
+            self._index, self._uniform = None, (len(lens), lens[0])
         else:
             index = [r * self.tokens + i for r, n in enumerate(lens) for i in range(n)]
             self._index = torch.tensor(index, dtype=torch.int64, device=self.qkv.device)
+            self._uniform = None
         self.pending = batch
 
     def store(self, layer: int, *, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -70,9 +69,13 @@ class VerifyBuffers:
         Args:
             layer: pool layer index. qkv: [T, conv_dim] pre-conv rows. a, b: [T, HV].
         """
-        self.qkv[layer, self._index] = qkv.to(self.qkv.dtype)
-        self.a[layer, self._index] = a.to(self.a.dtype)
-        self.b[layer, self._index] = b.to(self.b.dtype)
+        for buffer, value in ((self.qkv, qkv), (self.a, a), (self.b, b)):
+            if self._uniform is None:
+                buffer[layer, self._index] = value.to(buffer.dtype)
+            else:
+                rows, length = self._uniform
+                dst = buffer[layer, :rows * self.tokens].view(rows, self.tokens, -1)[:, :length]
+                dst.copy_(value.view(rows, length, -1))
 
     def accepted_lengths(self, batch, accepted_lens: list[int]) -> torch.Tensor:
         """``accepted_lens`` checked against the pending VERIFY batch, as an int32 tensor on the
@@ -99,7 +102,7 @@ class VerifyBuffers:
         return lens.to(self.qkv.device, non_blocking=True)
 
     def finish(self) -> None:
-        self.pending, self._index = None, None
+        self.pending, self._index, self._uniform = None, None, None
 
 
 class GDNStatePool:

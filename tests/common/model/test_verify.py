@@ -110,6 +110,23 @@ def test_commit_equals_extend_of_accepted_prefix(models, kind, rnd):
         assert rel_err(dout.logits[r], ref) <= 1e-5, (r, j)
 
 
+@pytest.mark.parametrize("lens", [(5, 3, 4), (3, 3, 3)])
+def test_commit_of_blocks_shorter_than_the_buffers(models, lens):
+    """Ragged blocks (recorded through an index) and uniform blocks shorter than the buffers'
+    rows (recorded through a strided copy) commit like EXTEND of the accepted prefix."""
+    model = models["qwen3_5_text"]
+    s = Session(model, PROMPTS)
+    s.state.reserve_verify(len(PROMPTS), K)
+    blocks = [blk[:n] for blk, n in zip(BLOCKS, lens)]
+    accepted = [max(1, n - 1) for n in lens]
+    vbatch, _ = s.run(ForwardMode.VERIFY, blocks, [len(p) for p in PROMPTS])
+    model.commit_verified(vbatch, accepted, state_pool=s.state)
+    for r, (p, blk, j) in enumerate(zip(PROMPTS, blocks, accepted)):
+        conv, ssm = extend_state(model, p + blk[:j])
+        assert torch.allclose(s.state.conv[:, s.slots[r]], conv, rtol=1e-5, atol=1e-6), (r, j)
+        assert torch.allclose(s.state.ssm[:, s.slots[r]], ssm, rtol=1e-5, atol=1e-6), (r, j)
+
+
 def test_commit_errors(models):
     model = models["qwen3_5_text"]
     s = Session(model, PROMPTS[:2])
