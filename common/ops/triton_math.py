@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-__all__ = ["INTERPRET", "LIBDEVICE", "exp", "log1p", "rsqrt"]
+__all__ = ["INTERPRET", "LIBDEVICE", "exp", "log1p", "rsqrt", "cos_sin"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LIBDEVICE = tl.constexpr(not INTERPRET)
@@ -44,3 +44,12 @@ def log1p(u):
         # log(1 + u) * u / ((1 + u) - 1) cancels the rounding of 1 + u (accurate for tiny u)
         w = 1.0 + u
         return tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+
+
+@triton.jit
+def cos_sin(angle):
+    """cos and sin of fp32 angles (RoPE)."""
+    if LIBDEVICE:
+        return libdevice.cos(angle), libdevice.sin(angle)
+    else:
+        return tl.cos(angle), tl.sin(angle)

@@ -30,10 +30,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from common.ops.attention import qk_prep_reference as reference
-from common.ops.triton_math import INTERPRET as _INTERPRET, LIBDEVICE as _LIBDEVICE, rsqrt as _rsqrt
+from common.ops.triton_math import INTERPRET as _INTERPRET, cos_sin as _cos_sin, rsqrt as _rsqrt
 
 __all__ = ["qk_norm_rope_store"]
 
@@ -79,10 +78,7 @@ def _qk_prep_kernel(
     # column d and its partner share frequency d mod half, so both get the same cos / sin bits
     f = tl.load(inv_freq + tl.where(lo, d, d - half) * sf, mask=rot, other=0.0).to(tl.float32)
     angle = tl.load(positions + t * sp).to(tl.float32) * f
-    if _LIBDEVICE:
-        cos, sin = libdevice.cos(angle), libdevice.sin(angle)
-    else:
-        cos, sin = tl.cos(angle), tl.sin(angle)
+    cos, sin = _cos_sin(angle)
     if h < H:
         y = _norm_rotate(q + t * sqt + h * sqh, qw, sqw, qo, d, partner, mask, lo, rot, cos, sin,
                          inv_d, eps)

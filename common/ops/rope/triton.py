@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from common.ops.rope import reference
-from common.ops.triton_math import INTERPRET as _INTERPRET, LIBDEVICE as _LIBDEVICE
+from common.ops.triton_math import INTERPRET as _INTERPRET, cos_sin as _cos_sin
 
 __all__ = ["apply_rope"]
 
@@ -66,10 +65,7 @@ def _rope_kernel(
     j = tl.arange(0, BHALF)
     f = tl.load(inv_freq + j * stride_f, mask=j < half, other=0.0).to(tl.float32)
     angle = tl.load(positions + t * stride_p).to(tl.float32) * f
-    if _LIBDEVICE:
-        cos, sin = libdevice.cos(angle), libdevice.sin(angle)
-    else:
-        cos, sin = tl.cos(angle), tl.sin(angle)
+    cos, sin = _cos_sin(angle)
     if blk < q_blocks:
         _rotate_heads(q, stride_qt, stride_qh, qo, t, blk * BHEADS, H, D, half, cos, sin, j,
                       BHEADS, BREST)
