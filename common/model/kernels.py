@@ -15,7 +15,7 @@ MODEL_OPS = {
     "conv1d_prefill": "causal_conv1d_prefill",
     "gdn_gating": "gdn_gating",
     "gdn_chunk": "chunk_gated_delta_rule",
-    "gdn_recurrent": "recurrent_gated_delta_rule",
+    "gdn_verify": "gdn_verify",
     "gdn_decode_in_place": "gdn_decode_in_place",
     "conv1d_update_in_place": "conv1d_update_in_place",
     "gdn_commit_in_place": "gdn_commit_in_place",
@@ -40,7 +40,7 @@ class Kernels:
     conv1d_prefill: Callable
     gdn_gating: Callable
     gdn_chunk: Callable
-    gdn_recurrent: Callable
+    gdn_verify: Callable
     gdn_decode_in_place: Callable
     conv1d_update_in_place: Callable
     gdn_commit_in_place: Callable

@@ -152,18 +152,20 @@ class GatedDeltaNet(nn.Module):
         if batch.mode == ForwardMode.DECODE:
             o = self._decode_step(kn, mixed_qkv, a, b, conv_pool=pool.conv[layer],
                                   ssm_pool=pool.ssm[layer], slots=slots)
+        elif batch.mode == ForwardMode.VERIFY:
+            # the state stays as committed; these inputs let commit_verified replay a prefix
+            ctx.verify.store(layer, qkv=mixed_qkv, a=a, b=b)
+            o = kn.gdn_verify(mixed_qkv=mixed_qkv, a=a, b=b, cu_seqlens=batch.cu_seqlens,
+                              conv_pool=pool.conv[layer], conv_weight=self.conv1d.weight.squeeze(1),
+                              ssm_pool=pool.ssm[layer], slots=slots, A_log=self.A_log,
+                              dt_bias=self.dt_bias, num_k_heads=self.num_k_heads,
+                              num_v_heads=self.num_v_heads)
         else:
-            verify = batch.mode == ForwardMode.VERIFY
-            if verify:
-                # the state stays as committed; these inputs let commit_verified replay a prefix
-                ctx.verify.store(layer, qkv=mixed_qkv, a=a, b=b)
-            o, new_conv, final_state = self._mix(
+            o, new_conv, final_state = self._extend(
                 kn, mixed_qkv, a, b, cu_seqlens=batch.cu_seqlens,
-                conv_state=pool.conv[layer, slots], ssm_state=pool.ssm[layer, slots],
-                short=verify)
-            if not verify:
-                pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
-                pool.ssm[layer, slots] = final_state.to(pool.ssm.dtype)
+                conv_state=pool.conv[layer, slots], ssm_state=pool.ssm[layer, slots])
+            pool.conv[layer, slots] = new_conv.to(pool.conv.dtype)
+            pool.ssm[layer, slots] = final_state.to(pool.ssm.dtype)
 
         # [T, HV, V] as they are: z's rows are strided, and flattening it would copy it
         o = kn.gated_rms_norm(x=o.to(x.dtype), gate=z, weight=self.norm.weight,
@@ -193,17 +195,14 @@ class GatedDeltaNet(nn.Module):
         return kn.gdn_decode_in_place(q=q, k=k, v=v, g=g, beta=beta, ssm_pool=ssm_pool,
                                       slots=slots, use_qk_l2norm=True)
 
-    def _mix(self, kn: Kernels, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
-             cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-             short: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv, gates and delta rule over packed sequences from the given states; nothing is
-        written.
+    def _extend(self, kn: Kernels, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+                cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv, gates and chunked delta rule over packed sequences from the given states.
 
         Args:
             mixed_qkv: [T, conv_dim] pre-conv rows. a, b: [T, HV] gate projections.
             conv_state: [N, conv_dim, W-1]. ssm_state: [N, HV, V, K] (pool layout).
-            short: a few tokens per request (a verify block): the token recurrence, which decode also runs, instead of the chunked form.
-                It reads no length on the host, so a verify forward can be captured.
 
         Returns:
             o [T, HV, V], the new conv state [N, conv_dim, W-1] and the new ssm state
@@ -214,9 +213,9 @@ class GatedDeltaNet(nn.Module):
             initial_state=conv_state, activation="silu")
         q, k, v, g, beta = self._heads_and_gates(kn, mixed_qkv, a, b)
         # pool layout [HV, V, K] -> the ops' K-major [HV, K, V]
-        rule = kn.gdn_recurrent if short else kn.gdn_chunk
-        o, final_state = rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
-                              initial_state=ssm_state.transpose(-1, -2), use_qk_l2norm=True)
+        o, final_state = kn.gdn_chunk(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
+                                      initial_state=ssm_state.transpose(-1, -2),
+                                      use_qk_l2norm=True)
         return o, new_conv, final_state.transpose(-1, -2)
 
 

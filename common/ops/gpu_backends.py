@@ -34,6 +34,7 @@ _GPU = {
     "gdn_decode_in_place": "triton",
     "conv1d_update_in_place": "triton",
     "gdn_commit_in_place": "triton",
+    "gdn_verify": "triton",
     "paged_attention": "flashinfer",
     "draft_block_attention": "triton",
     "rms_norm": "triton",
