@@ -215,13 +215,17 @@ class GraphRunner:
         return out
 
     def run(self, requests: Sequence[Request], token_ids: Sequence[Sequence[int]] | None, *,
-            input_ids: Callable[[torch.Tensor], torch.Tensor] | None = None
-            ) -> tuple[ModelOutput, ForwardBatch]:
+            input_ids: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            tail_ids: torch.Tensor | None = None) -> tuple[ModelOutput, ForwardBatch]:
         """Forward ``token_ids[r]`` (q_len each) of every request at positions ``num_cached..``.
 
-        ``input_ids``, instead of ``token_ids``: a function of the rows' state slots (a device
-        tensor) returning their ``[n * q_len]`` ids on the device, for ids the host has not
-        read yet (overlap scheduling).
+        Ids the host has not read yet come from the device instead:
+
+        - ``input_ids``, instead of ``token_ids``: a function of the rows' state slots (a device
+          tensor) returning their ``[n * q_len]`` ids (overlap scheduling);
+        - ``tail_ids``: ``[n, q_len - 1]`` ids replacing every token of each row but its first
+          (``token_ids`` gives the first; DFLASH drafts go from the draft graph's output into
+          the verify's inputs without a host read).
 
         Returns the output of the real rows (logits ``[n * q_len, V]``, views of the graph's
         buffers, valid until the next run) and the padded batch (for a VERIFY commit).
@@ -236,6 +240,8 @@ class GraphRunner:
                          [r.slot for r in requests], page_size)
         if input_ids is not None:
             self.inputs.input_ids[:n * q_len].copy_(input_ids(self.inputs.state_slots[:n]))
+        if tail_ids is not None:
+            self.inputs.input_ids[:n * q_len].view(n, q_len)[:, 1:].copy_(tail_ids)
         if self._planned is not None:
             # FlashInfer plans stage through one pinned host buffer: the previous plan's copy
             # must have left it (long done unless steps overlap, and then it is the step

@@ -121,11 +121,18 @@ class DFlashSpeculator:
             raise ValueError("a speculative request needs pages for block_size tokens past its "
                              "cache (reserve them at admission)")
         device = self.kv_pool.kv.device
-        drafts = self.propose(requests, pages)  # [N, B-1]
-        tokens = [[r.output_ids[-1]] + d for r, d in zip(requests, drafts.tolist())]
+        drafts = self.propose(requests, pages)  # [N, B-1] on the device
         if self.verify_graphs is not None and self.verify_graphs.serves(n):
-            out, batch = self.verify_graphs.run(requests, tokens)  # context extended inside
+            # the drafts reach the verify's inputs on the device, and the host a copy of them
+            # by acceptance's read: no wait between the draft and the verify graph
+            drafts_host = drafts.to("cpu", non_blocking=True)
+            drafts_copied = _recorded_event(drafts)
+            firsts = [[r.output_ids[-1]] + [0] * (b - 1) for r in requests]
+            out, batch = self.verify_graphs.run(requests, firsts, tail_ids=drafts)
+            # (the verify graph also extends the draft context)
         else:
+            drafts_host, drafts_copied = drafts.cpu(), None
+            tokens = [[r.output_ids[-1]] + d for r, d in zip(requests, drafts_host.tolist())]
             batch = ForwardBatch.build(
                 mode=ForwardMode.VERIFY, token_ids=tokens,
                 prefix_lens=[r.num_cached for r in requests], page_ids=pages,
@@ -138,8 +145,10 @@ class DFlashSpeculator:
         # padding rows of a graph batch commit one token into the scratch slot
         self.target.commit_verified(batch, commits + [1] * (batch.num_requests - n),
                                     state_pool=self.state_pool)
+        if drafts_copied is not None:
+            drafts_copied.synchronize()  # long done: acceptance read the host after it
         outcomes = []
-        for r, d, a in zip(requests, drafts.tolist(), accepted):
+        for r, d, a in zip(requests, drafts_host.tolist(), accepted):
             r.num_cached += a.commit_len
             outcomes.append(StepOutcome(r, d[:a.num_accepted] + [a.bonus], a))
         self.stats["spec_steps"] += n
@@ -161,3 +170,13 @@ class DFlashSpeculator:
                 seed_for(r)
                 result[i] = accept_sampled(drafts[i], logits[i], r.params, r.generator)
         return result
+
+
+def _recorded_event(t: torch.Tensor) -> torch.cuda.Event | None:
+    """An event after the work queued so far on ``t``'s device (None off CUDA, where copies
+    are synchronous)."""
+    if not t.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

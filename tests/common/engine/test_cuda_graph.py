@@ -130,7 +130,8 @@ def test_padded_verify_keeps_dflash_lossless(model):
     assert engine.speculator.draft_graphs is not None
     sizes = []
     run = verify.run
-    verify.run = lambda reqs, toks: (sizes.append(verify.padded_size(len(reqs))), run(reqs, toks))[1]
+    verify.run = lambda reqs, toks, **kw: (sizes.append(verify.padded_size(len(reqs))),
+                                           run(reqs, toks, **kw))[1]
     free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
     got = engine.generate(prompts, params)
     assert [r.output_ids for r in got] == want == [r.output_ids for r in eager_out]

@@ -43,8 +43,8 @@ def _prompts():
 def _count_runs(runner) -> list[int]:
     sizes = []
     run = runner.run
-    runner.run = lambda reqs, toks: (sizes.append(runner.padded_size(len(reqs))),
-                                     run(reqs, toks))[1]
+    runner.run = lambda reqs, toks, **kw: (sizes.append(runner.padded_size(len(reqs))),
+                                           run(reqs, toks, **kw))[1]
     return sizes
 
 
