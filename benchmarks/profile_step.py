@@ -6,7 +6,9 @@
 - dflash: each phase of a DFLASH step timed with a device synchronisation around it: draft
   proposal, verify forward, acceptance, GDN commit, draft-context extension, and the rest (host
   bookkeeping). The synchronisations serialise the step, so the phases add up to more than
-  an unprofiled step.
+  an unprofiled step. With verify graphs the draft context is written inside the verify
+  forward: captured, it is part of "verify"; uncaptured (CPU), it is timed as "context" and
+  also counted in "verify", so "rest" comes out negative.
 
     python -m benchmarks.profile_step --device cuda --batch 1 [--out out/profile.json]
     python -m benchmarks.profile_step --device cpu --model tiny      # a quick run on the CPU
