@@ -95,7 +95,8 @@ class LLMEngine:
             model, draft, self.kv_pool, self.state_pool, block_size=block_size,
             max_requests=0 if config.hold_after_prefill
             else config.scheduler.max_running_requests,
-            graphs=config.cuda_graph if graphs_on else None)
+            graphs=config.cuda_graph if graphs_on else None,
+            max_graph_tokens=self._graph_token_cap() if graphs_on else None)
         # a verify block writes block_size positions past the cache: reserve room for them
         lookahead = self.speculator.block_size if self.speculator else 0
         self.scheduler = Scheduler(replace(config.scheduler, lookahead_tokens=lookahead),
@@ -116,16 +117,30 @@ class LLMEngine:
         # a prefill worker never decodes: its requests leave after their first token
         if not graphs.enabled or config.hold_after_prefill or (graphs.capture and not on_gpu):
             return False
-        if graphs.capture and any(self.model.config.is_moe_layer(i)
-                                  for i in range(self.model.config.num_hidden_layers)):
-            # the MoE op groups tokens by expert on the host, which a graph cannot replay
-            log.warning("CUDA graphs are off: the sparse MoE op is not capturable; decode runs "
-                        "eagerly")
+        if graphs.capture and self._graph_token_cap() == 0:
+            # the reference MoE op groups tokens by expert on the host: no graph can replay it
+            log.warning("CUDA graphs are off: the sparse MoE backend %r is not capturable; "
+                        "decode runs eagerly",
+                        dict(self.model.kernels.backends).get("sparse_moe"))
             return False
         return True
 
+    def _graph_token_cap(self) -> int | None:
+        """Most tokens one captured forward may hold, as the model's ops allow (None: no limit).
+        Only MoE models have one: the capturable MoE op reads no host value up to its
+        ``MAX_TOKENS``; other MoE backends have none (0)."""
+        cfg = self.model.config
+        if not any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+            return None
+        from common.ops.moe import capturable
+
+        backend = dict(self.model.kernels.backends).get("sparse_moe")
+        return capturable.MAX_TOKENS if backend == "capturable" else 0
+
     def _decode_graphs(self) -> GraphRunner:
-        sizes = self.config.cuda_graph.batch_sizes(self.config.scheduler.max_running_requests)
+        cap = self._graph_token_cap()
+        running = self.config.scheduler.max_running_requests
+        sizes = self.config.cuda_graph.batch_sizes(running if cap is None else min(running, cap))
         return GraphRunner(self.model, self.kv_pool, self.state_pool, batch_sizes=sizes,
                            capture=self.config.cuda_graph.capture)
 

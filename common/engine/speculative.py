@@ -41,6 +41,8 @@ class DFlashSpeculator:
             builds draft context, as a prefill worker does).
         graphs: replay the draft proposal and the verify forward from CUDA graphs (after
             :meth:`capture_graphs`), for batches of up to ``VERIFY_GRAPH_TOKENS // B`` requests.
+        max_graph_tokens: a lower cap on the tokens of a captured verify, from the target's ops
+            (none when it is below B).
     """
 
     # the largest captured verify forward, in tokens: its fp32 logits alone are
@@ -49,7 +51,8 @@ class DFlashSpeculator:
 
     def __init__(self, target: HybridForCausalLM, draft: DFlashDraftModel, kv_pool: KVPool,
                  state_pool: GDNStatePool, *, block_size: int | None = None,
-                 max_requests: int = 1, graphs: CudaGraphConfig | None = None) -> None:
+                 max_requests: int = 1, graphs: CudaGraphConfig | None = None,
+                 max_graph_tokens: int | None = None) -> None:
         self.target, self.draft = target, draft
         self.block_size = block_size or draft.config.block_size
         if self.block_size < 2:
@@ -62,8 +65,10 @@ class DFlashSpeculator:
             state_pool.reserve_verify(max_requests, self.block_size)
         self.stats = {"spec_steps": 0, "spec_committed_tokens": 0, "spec_drafted_tokens": 0}
         self.verify_graphs = self.draft_graphs = None
-        if graphs is not None and max_requests > 0:
-            cap = min(max_requests, max(1, self.VERIFY_GRAPH_TOKENS // self.block_size))
+        tokens = self.VERIFY_GRAPH_TOKENS if max_graph_tokens is None \
+            else min(self.VERIFY_GRAPH_TOKENS, max_graph_tokens)
+        if graphs is not None and max_requests > 0 and tokens >= self.block_size:
+            cap = min(max_requests, tokens // self.block_size)
             sizes = graphs.batch_sizes(cap)
             # the draft context of every verified token is written inside the verify graph;
             # rejected tokens' entries lie past the committed length, where nothing reads them

@@ -16,8 +16,9 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
 Both GPU sets also use our Triton RMSNorm / gated RMSNorm, GDN gates and RoPE: one launch per
 call where the reference's elementwise torch code launches 6-10 kernels; likewise the fused
 residual add + RMSNorm, the SwiGLU activation, the paged K/V store, the attention layer's q/k
-norms + RoPE + K/V store (one launch) and its sigmoid output gate. Ops with no GPU backend
-(l2norm, rope_inv_freq, MLP, MoE) are plain torch, which runs on the GPU.
+norms + RoPE + K/V store (one launch) and its sigmoid output gate. The sparse MoE op is
+plain torch that reads no value on the host for up to 64 tokens (CUDA graphs replay it). Ops
+with no GPU backend (l2norm, rope_inv_freq, MLP) are plain torch, which runs on the GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ _GPU = {
     "store_paged_kv": "triton",
     "qk_norm_rope_store": "triton",
     "sigmoid_gate_mul": "triton",
+    "sparse_moe": "capturable",
 }
 
 BACKEND_SETS: dict[str, dict[str, str]] = {

@@ -7,10 +7,10 @@ import torch.nn.functional as F
 
 from common.ops.mlp.reference import silu_and_mul, silu_glu_mlp
 
-__all__ = ["sparse_moe"]
+__all__ = ["sparse_moe", "route", "check_moe_args", "shared_expert"]
 
 
-def _route(x, router_weight, top_k, norm_topk_prob, dt):
+def route(x, router_weight, top_k, norm_topk_prob, dt):
     """Top-k expert ids [T, k] and their weights [T, k], rounded to x.dtype as transformers does."""
     # transformers forms the logits in x.dtype; rounding them the same way keeps bf16 expert choice identical.
     logits = (x.to(dt) @ router_weight.to(dt).T).to(x.dtype).to(dt)
@@ -20,6 +20,33 @@ def _route(x, router_weight, top_k, norm_topk_prob, dt):
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights.to(x.dtype)
+
+
+def check_moe_args(*, x, router_weight, experts_gate_up, experts_down, top_k, shared
+                   ) -> tuple[int, int, int, int]:
+    """ValueError unless the arguments of :func:`sparse_moe` fit; returns (T, H, E, I).
+    ``shared``: the four shared-expert weights (all or none given)."""
+    shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate = shared
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    t, hidden = x.shape
+    if router_weight.dim() != 2 or router_weight.shape[1] != hidden:
+        raise ValueError(f"router_weight must be [E, {hidden}], got {tuple(router_weight.shape)}")
+    num_experts = router_weight.shape[0]
+    if experts_gate_up.dim() != 3 or experts_gate_up.shape[0] != num_experts or experts_gate_up.shape[2] != hidden:
+        raise ValueError(f"experts_gate_up must be [{num_experts}, 2I, {hidden}], got {tuple(experts_gate_up.shape)}")
+    if experts_gate_up.shape[1] % 2:
+        raise ValueError(f"experts_gate_up rows must be 2I (gate then up), got {experts_gate_up.shape[1]}")
+    inter = experts_gate_up.shape[1] // 2
+    if experts_down.shape != (num_experts, hidden, inter):
+        raise ValueError(f"experts_down must be [{num_experts}, {hidden}, {inter}], got {tuple(experts_down.shape)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if any(p is None for p in shared) and not all(p is None for p in shared):
+        raise ValueError("give all four shared expert weights or none of them")
+    if shared_expert_gate is not None and shared_expert_gate.shape != (1, hidden):
+        raise ValueError(f"shared_expert_gate must be [1, {hidden}], got {tuple(shared_expert_gate.shape)}")
+    return t, hidden, num_experts, inter
 
 
 def sparse_moe(
@@ -56,29 +83,12 @@ def sparse_moe(
     Returns:
         [T, H] in x.dtype.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
-    t, hidden = x.shape
-    if router_weight.dim() != 2 or router_weight.shape[1] != hidden:
-        raise ValueError(f"router_weight must be [E, {hidden}], got {tuple(router_weight.shape)}")
-    num_experts = router_weight.shape[0]
-    if experts_gate_up.dim() != 3 or experts_gate_up.shape[0] != num_experts or experts_gate_up.shape[2] != hidden:
-        raise ValueError(f"experts_gate_up must be [{num_experts}, 2I, {hidden}], got {tuple(experts_gate_up.shape)}")
-    if experts_gate_up.shape[1] % 2:
-        raise ValueError(f"experts_gate_up rows must be 2I (gate then up), got {experts_gate_up.shape[1]}")
-    inter = experts_gate_up.shape[1] // 2
-    if experts_down.shape != (num_experts, hidden, inter):
-        raise ValueError(f"experts_down must be [{num_experts}, {hidden}, {inter}], got {tuple(experts_down.shape)}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-    shared = (shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate)
-    if any(p is None for p in shared) and not all(p is None for p in shared):
-        raise ValueError("give all four shared expert weights or none of them")
-    if shared_expert_gate is not None and shared_expert_gate.shape != (1, hidden):
-        raise ValueError(f"shared_expert_gate must be [1, {hidden}], got {tuple(shared_expert_gate.shape)}")
-
+    t, hidden, _, _ = check_moe_args(
+        x=x, router_weight=router_weight, experts_gate_up=experts_gate_up,
+        experts_down=experts_down, top_k=top_k, shared=(shared_gate_proj, shared_up_proj,
+                                                        shared_down_proj, shared_expert_gate))
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    ids, weights = _route(x, router_weight, top_k, norm_topk_prob, acc)
+    ids, weights = route(x, router_weight, top_k, norm_topk_prob, acc)
     # expert GEMMs in x's dtype (as transformers); the weighted sum over experts in fp32
     out = torch.zeros(t, hidden, dtype=acc, device=x.device)
     # Visit experts in ascending id, each over the tokens that picked it, so the sum order is fixed.
@@ -88,8 +98,12 @@ def sparse_moe(
         contrib = F.linear(act, experts_down[e].to(x.dtype)).to(acc) * weights[tok, slot, None].to(acc)
         out.index_add_(0, tok, contrib)
     if shared_expert_gate is not None:
-        shared_out = silu_glu_mlp(
-            x=x, gate_proj=shared_gate_proj, up_proj=shared_up_proj, down_proj=shared_down_proj
-        )
-        out = out + (torch.sigmoid(F.linear(x, shared_expert_gate.to(x.dtype))) * shared_out).to(acc)
+        out = out + shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj,
+                                  shared_expert_gate).to(acc)
     return out.to(x.dtype)
+
+
+def shared_expert(x, gate_proj, up_proj, down_proj, expert_gate) -> torch.Tensor:
+    """``sigmoid(x @ expert_gate.T) * mlp(x)`` in x.dtype."""
+    mlp = silu_glu_mlp(x=x, gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj)
+    return torch.sigmoid(F.linear(x, expert_gate.to(x.dtype))) * mlp

@@ -138,3 +138,58 @@ def test_padded_verify_keeps_dflash_lossless(model):
     assert [r.accept_lengths for r in got] == [r.accept_lengths for r in eager_out]
     assert 8 in sizes  # 5 requests ran padded to 8
     assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """One MoE checkpoint with the reference MoE op and with the capturable one."""
+    from common.model.kernels import Kernels
+    from tests.common.model.checkpoints import make_checkpoint
+
+    path = make_checkpoint("qwen3_5_moe_text", tmp_path_factory.mktemp("moe") / "m", seed=4)
+    return {backend: load_model(str(path), kernels=Kernels.select({"sparse_moe": backend}))
+            for backend in ("reference", "capturable")}
+
+
+def test_moe_graphs_need_the_capturable_op_and_stay_within_its_tokens(model, moe_models):
+    from common.ops.moe.capturable import MAX_TOKENS
+
+    config = EngineConfig(cache=CACHE, cuda_graph=CudaGraphConfig(capture=False),
+                          scheduler=SchedulerConfig(max_running_requests=MAX_TOKENS + 36))
+    assert LLMEngine(moe_models["reference"], config)._graph_token_cap() == 0
+    engine = LLMEngine(moe_models["capturable"], config)
+    assert engine._graph_token_cap() == MAX_TOKENS
+    assert engine.runner.graphs.batch_sizes[-1] == MAX_TOKENS
+    assert LLMEngine(model, config)._graph_token_cap() is None  # no MoE layer, no cap
+
+
+def test_moe_padded_decode_gives_the_eager_tokens(moe_models):
+    """The capturable MoE op through padded graph batches (uncaptured) gives the reference
+    op's eager tokens."""
+    prompts = _prompts(5)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=4 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    eager = LLMEngine(moe_models["reference"], EngineConfig(
+        cache=CACHE, cuda_graph=CudaGraphConfig(enabled=False),
+        scheduler=SchedulerConfig(max_running_requests=11)))
+    want = [r.output_ids for r in eager.generate(prompts, params)]
+    engine = _engine(moe_models["capturable"], CudaGraphConfig(capture=False))
+    free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
+    assert [r.output_ids for r in engine.generate(prompts, params)] == want
+    assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
+
+
+def test_verify_graphs_respect_the_token_cap_of_the_target_ops(model):
+    from common.engine.llm_engine import make_pools
+    from common.engine.speculative import DFlashSpeculator
+    from common.model.dflash import load_draft
+
+    draft = load_draft("tiny", model)
+    caps = {}
+    for tokens in (None, 64, 3):
+        kv_pool, state_pool = make_pools(model, CACHE, "cpu")
+        spec = DFlashSpeculator(model, draft, kv_pool, state_pool, block_size=16,
+                                max_requests=10, graphs=CudaGraphConfig(capture=False),
+                                max_graph_tokens=tokens)
+        caps[tokens] = None if spec.verify_graphs is None else spec.verify_graphs.batch_sizes[-1]
+    assert caps == {None: 10, 64: 4, 3: None}  # 1024 // 16 > 10; 64 // 16; below one block
