@@ -1,4 +1,9 @@
-"""Test-wide setup: seeded RNGs, GPU tests skipped where there is no CUDA device, metric records."""
+"""Test-wide setup: seeded RNGs, GPU tests skipped where there is no CUDA device, metric records.
+
+Where there is no CUDA device, TRITON_INTERPRET=1 is set here, before any test imports a kernel
+module: our Triton kernels then run on CPU tensors in Triton's interpreter
+(``tests/common/ops/test_triton_interpreter.py``).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,10 @@ def _cuda_available() -> bool:
         return torch.cuda.is_available()
     except Exception:  # a broken driver install counts as no GPU
         return False
+
+
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
