@@ -117,9 +117,14 @@ def cases_gdn_decode_in_place(cfg, quick):
             gen = torch.Generator(device="cuda").manual_seed(b)
             pool = torch.randn(4 * b + 1, hv, dv, dk, generator=gen, device="cuda") * 0.3
             slots = torch.randperm(4 * b, generator=torch.Generator().manual_seed(b))[:b] + 1
-            for key in ("cu_seqlens", "initial_state"):
+            for key in ("cu_seqlens", "initial_state", "g", "beta"):
                 inputs.pop(key)
-            return dict(inputs, ssm_pool=pool, slots=slots.to("cuda"))
+            # the decode op takes the raw gate projections
+            gates = dict(a=torch.randn(b, hv, generator=gen, device="cuda").to(torch.bfloat16),
+                         b=torch.randn(b, hv, generator=gen, device="cuda").to(torch.bfloat16),
+                         A_log=torch.randn(hv, generator=gen, device="cuda") * 0.5,
+                         dt_bias=torch.randn(hv, generator=gen, device="cuda").to(torch.bfloat16))
+            return dict(inputs, **gates, ssm_pool=pool, slots=slots.to("cuda"))
         yield f"B={b}", make, {"gbps": 2 * b * hv * dk * dv * 4}, False
 
 

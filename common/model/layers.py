@@ -172,16 +172,13 @@ class GatedDeltaNet(nn.Module):
                               eps=self.norm.eps)
         return self.out_proj(o.reshape(num_tokens, self.value_dim))
 
-    def _heads_and_gates(self, kn: Kernels, mixed_qkv: torch.Tensor, a: torch.Tensor,
-                         b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k [T, HK, K], v [T, HV, V] from the conv output, and the gates g, beta [T, HV]."""
+    def _heads(self, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k [T, HK, K] and v [T, HV, V] from the conv output."""
         num_tokens = mixed_qkv.shape[0]
         q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        g, beta = kn.gdn_gating(A_log=self.A_log, a=a, dt_bias=self.dt_bias, b=b)
-        return q, k, v, g, beta
+        return (q.reshape(num_tokens, self.num_k_heads, self.head_k_dim),
+                k.reshape(num_tokens, self.num_k_heads, self.head_k_dim),
+                v.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
 
     def _decode_step(self, kn: Kernels, mixed_qkv: torch.Tensor, a: torch.Tensor,
                      b: torch.Tensor, *, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
@@ -191,9 +188,11 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv = kn.conv1d_update_in_place(x=mixed_qkv, conv_pool=conv_pool, slots=slots,
                                               weight=self.conv1d.weight.squeeze(1),
                                               activation="silu")
-        q, k, v, g, beta = self._heads_and_gates(kn, mixed_qkv, a, b)
-        return kn.gdn_decode_in_place(q=q, k=k, v=v, g=g, beta=beta, ssm_pool=ssm_pool,
-                                      slots=slots, use_qk_l2norm=True)
+        q, k, v = self._heads(mixed_qkv)
+        # the raw gate projections: the decode op forms g and beta itself
+        return kn.gdn_decode_in_place(q=q, k=k, v=v, a=a, b=b, A_log=self.A_log,
+                                      dt_bias=self.dt_bias, ssm_pool=ssm_pool, slots=slots,
+                                      use_qk_l2norm=True)
 
     def _extend(self, kn: Kernels, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
                 cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
@@ -211,7 +210,8 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, new_conv = kn.conv1d_prefill(
             x=mixed_qkv, weight=self.conv1d.weight.squeeze(1), cu_seqlens=cu_seqlens,
             initial_state=conv_state, activation="silu")
-        q, k, v, g, beta = self._heads_and_gates(kn, mixed_qkv, a, b)
+        q, k, v = self._heads(mixed_qkv)
+        g, beta = kn.gdn_gating(A_log=self.A_log, a=a, dt_bias=self.dt_bias, b=b)
         # pool layout [HV, V, K] -> the ops' K-major [HV, K, V]
         o, final_state = kn.gdn_chunk(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
                                       initial_state=ssm_state.transpose(-1, -2),

@@ -16,8 +16,10 @@ def on_gpu(*tensors: torch.Tensor | None) -> bool:
     return all(t.is_cuda for t in present) and all(t.dtype != torch.float64 for t in present)
 
 
-def check_tokens(q, k, v, g, beta) -> tuple[int, int, int, int, int]:
-    """Shape rules of the per-token inputs; returns (T, HK, K, HV, V)."""
+def check_tokens(q, k, v, g, beta, gate_names: str = "g and beta"
+                 ) -> tuple[int, int, int, int, int]:
+    """Shape rules of the per-token inputs (``g``, ``beta``: the two per-head gate inputs,
+    named in errors by ``gate_names``); returns (T, HK, K, HV, V)."""
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [T, HK, K], got {tuple(q.shape)} and {tuple(k.shape)}")
     if v.dim() != 3 or v.shape[0] != q.shape[0]:
@@ -27,7 +29,8 @@ def check_tokens(q, k, v, g, beta) -> tuple[int, int, int, int, int]:
     if hv % hk != 0:
         raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
     if g.shape != (t, hv) or beta.shape != (t, hv):
-        raise ValueError(f"g and beta must be [{t}, {hv}], got {tuple(g.shape)} and {tuple(beta.shape)}")
+        raise ValueError(f"{gate_names} must be [{t}, {hv}], got {tuple(g.shape)} and "
+                         f"{tuple(beta.shape)}")
     return t, hk, dk, hv, dv
 
 
@@ -88,14 +91,19 @@ def is_aligned(t: torch.Tensor, align: int = 32) -> bool:
     return t.is_contiguous() and t.data_ptr() % align == 0
 
 
-def check_in_place(q, k, v, g, beta, ssm_pool, slots) -> tuple[int, int, int, int, int, int]:
-    """Shape rules of the in-place decode step (one token per request), read from metadata only.
+def check_in_place(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots
+                   ) -> tuple[int, int, int, int, int, int]:
+    """Shape rules of the in-place decode step (one token per request, raw gate projections),
+    read from metadata only.
 
     Returns (N, HK, K, HV, V, S).
     """
-    n, hk, dk, hv, dv = check_tokens(q, k, v, g, beta)
+    n, hk, dk, hv, dv = check_tokens(q, k, v, a, b, gate_names="a and b")
     if n < 1:
         raise ValueError("the decode step needs at least one request")
+    if A_log.shape != (hv,) or dt_bias.shape != (hv,):
+        raise ValueError(f"A_log and dt_bias must be [{hv}], got {tuple(A_log.shape)} and "
+                         f"{tuple(dt_bias.shape)}")
     if slots.dim() != 1 or slots.is_floating_point() or slots.numel() != n:
         raise ValueError(f"slots must be an integer tensor [N={n}], got {slots.dtype} {tuple(slots.shape)}")
     if ssm_pool.dim() != 4:

@@ -208,8 +208,10 @@ def gdn_decode_in_place(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     ssm_pool: torch.Tensor,
     slots: torch.Tensor,
     scale: float | None = None,
@@ -217,11 +219,14 @@ def gdn_decode_in_place(
 ) -> torch.Tensor:
     """One decode step of every request, reading and writing its state in the pool by slot.
 
-    Exactly :func:`recurrent_gated_delta_rule` with one token per request: the states of rows
-    ``slots`` are gathered, stepped, and written back into the same rows.
+    Exactly :func:`gdn_gating` of the raw gate projections, then
+    :func:`recurrent_gated_delta_rule` with one token per request: the states of rows ``slots``
+    are gathered, stepped, and written back into the same rows. (The gates are inputs here, not
+    ``g`` and ``beta``, so a backend can form them inside its step.)
 
     Args:
-        q, k: [N, HK, K]. v: [N, HV, V]. g, beta: [N, HV] log decay and post-sigmoid beta.
+        q, k: [N, HK, K]. v: [N, HV, V]. a, b: [N, HV] raw gate projections (as ``gdn_gating``
+            takes them); A_log, dt_bias: [HV].
         ssm_pool: [S, HV, V, K] K-last states of one layer (``GDNStatePool.ssm[layer]``), updated
             in place; rows not named in ``slots`` are left untouched.
         slots: integer [N] pool row of each request. Rows must be distinct, except that padding
@@ -231,7 +236,8 @@ def gdn_decode_in_place(
     Returns:
         o: [N, HV, V] in v.dtype.
     """
-    n = check_in_place(q, k, v, g, beta, ssm_pool, slots)[0]
+    n = check_in_place(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots)[0]
+    g, beta = gdn_gating(A_log=A_log, a=a, dt_bias=dt_bias, b=b)
     index = slots.to(device=ssm_pool.device, dtype=torch.long)
     o, final = recurrent_gated_delta_rule(
         q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=torch.arange(n + 1),

@@ -28,13 +28,15 @@ import triton.language as tl
 
 from common.ops.gdn import reference
 from common.ops.gdn._common import INTERPRET, check_in_place, check_shapes, device_cu, on_gpu
+from common.ops.gdn.replay_triton import SOFTPLUS_THRESHOLD
+from common.ops.triton_math import exp, log1p
 
 __all__ = ["recurrent_gated_delta_rule", "gdn_decode_in_place"]
 
 
 @triton.jit
 def _recurrent_kernel(
-    q, k, v, g, beta, cu, slots, h0, ht, inter, o,
+    q, k, v, g, beta, A_log, dt_bias, cu, slots, h0, ht, inter, o,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
     s0_n, s0_h, s0_k, s0_v,
     st_n, st_h, st_k, st_v,
@@ -42,6 +44,7 @@ def _recurrent_kernel(
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_H0: tl.constexpr, STORE_INTER: tl.constexpr, SLOTS: tl.constexpr,
+    GATES: tl.constexpr, THRESHOLD: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
@@ -69,12 +72,23 @@ def _recurrent_kernel(
         p_h0 = h0 + i_s * s0_n + i_hv * s0_h + o_k[:, None] * s0_k + o_v[None, :] * s0_v
         b_h += tl.load(p_h0, mask=m_h, other=0.0).to(tl.float32)
 
+    if GATES:
+        alog = tl.load(A_log + i_hv).to(tl.float32)
+        bias = tl.load(dt_bias + i_hv).to(tl.float32)
     for t in range(bos, eos):
         b_q = tl.load(q + t * stride_qt + i_hk * stride_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + t * stride_kt + i_hk * stride_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(v + t * stride_vt + i_hv * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + t * stride_gt + i_hv).to(tl.float32)
-        b_beta = tl.load(beta + t * stride_bt + i_hv).to(tl.float32)
+        if GATES:
+            # g and beta formed here from the raw projections, as the gating kernel forms them
+            x = tl.load(g + t * stride_gt + i_hv).to(tl.float32) + bias
+            sp = tl.where(x > THRESHOLD, x, log1p(exp(tl.minimum(x, THRESHOLD))))
+            b_g = -exp(alog) * sp
+            b_raw = tl.load(beta + t * stride_bt + i_hv).to(tl.float32)
+            b_beta = tl.math.div_rn(1.0, 1.0 + exp(-b_raw))
+        else:
+            b_g = tl.load(g + t * stride_gt + i_hv).to(tl.float32)
+            b_beta = tl.load(beta + t * stride_bt + i_hv).to(tl.float32)
         if USE_L2NORM:
             b_q = b_q * (1.0 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6))
             b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))
@@ -144,19 +158,22 @@ def recurrent_gated_delta_rule(
 
 
 def _launch(q, k, v, g, beta, cu, slots, h0, ht, inter, o, s0, st, scale, *, hk, hv, dk, dv, n,
-            use_qk_l2norm, has_h0, store_inter, in_place):
-    """One launch of ``_recurrent_kernel``; s0 / st are the K-major strides of h0 / ht."""
+            use_qk_l2norm, has_h0, store_inter, in_place, gates=None):
+    """One launch of ``_recurrent_kernel``; s0 / st are the K-major strides of h0 / ht.
+    ``gates``: (A_log, dt_bias) when g and beta are the raw projections a and b."""
+    A_log, dt_bias = gates if gates is not None else (g, g)  # unused pointers otherwise
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), 8 if bk >= 128 else 16)
     grid = (triton.cdiv(dv, bv), n * hv)
     _recurrent_kernel[grid](
-        q, k, v, g, beta, cu, slots, h0, ht, inter, o,
+        q, k, v, g, beta, A_log, dt_bias, cu, slots, h0, ht, inter, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0),
         *s0, *st,
         dk ** -0.5 if scale is None else scale,
         HK=hk, HV=hv, K=dk, V=dv, BK=bk, BV=bv,
         USE_L2NORM=use_qk_l2norm, HAS_H0=has_h0, STORE_INTER=store_inter, SLOTS=in_place,
+        GATES=gates is not None, THRESHOLD=SOFTPLUS_THRESHOLD,
         num_warps=1 if bk * bv <= 1024 else 4,
     )
 
@@ -166,8 +183,10 @@ def gdn_decode_in_place(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     ssm_pool: torch.Tensor,
     slots: torch.Tensor,
     scale: float | None = None,
@@ -175,28 +194,30 @@ def gdn_decode_in_place(
 ) -> torch.Tensor:
     """Triton version of :func:`common.ops.gdn.reference.gdn_decode_in_place` (same contract).
 
-    One launch, no host synchronisation and no allocation besides ``o``, so the call can be
-    captured in a CUDA graph with ``slots`` and the inputs updated in place between replays.
-    ``ssm_pool`` may be any strided ``[S, HV, V, K]`` tensor (the pool's layer view is
-    contiguous); ``slots`` must live on its device. Slots are not range-checked (that would need
-    a host read): an index outside ``[0, S)`` is out-of-bounds memory access. CPU (outside the
-    Triton interpreter) and fp64 inputs go to the reference.
+    One launch, the gates formed inside it: no host synchronisation and no allocation besides
+    ``o``, so the call can be captured in a CUDA graph with ``slots`` and the inputs updated in
+    place between replays. ``ssm_pool`` may be any strided ``[S, HV, V, K]`` tensor (the pool's
+    layer view is contiguous); ``slots`` must live on its device. Slots are not range-checked
+    (that would need a host read): an index outside ``[0, S)`` is out-of-bounds memory access.
+    CPU (outside the Triton interpreter) and fp64 inputs go to the reference.
     """
-    if not (on_gpu(q, k, v, g, beta, ssm_pool) or INTERPRET) or any(
-            t.dtype == torch.float64 for t in (q, k, v, g, beta, ssm_pool)):
-        return reference.gdn_decode_in_place(q=q, k=k, v=v, g=g, beta=beta, ssm_pool=ssm_pool,
-                                             slots=slots, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    n, hk, dk, hv, dv, _ = check_in_place(q, k, v, g, beta, ssm_pool, slots)
+    tensors = (q, k, v, a, b, A_log, dt_bias, ssm_pool)
+    if not (on_gpu(*tensors) or INTERPRET) or any(t.dtype == torch.float64 for t in tensors):
+        return reference.gdn_decode_in_place(q=q, k=k, v=v, a=a, b=b, A_log=A_log,
+                                             dt_bias=dt_bias, ssm_pool=ssm_pool, slots=slots,
+                                             scale=scale, use_qk_l2norm=use_qk_l2norm)
+    n, hk, dk, hv, dv, _ = check_in_place(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots)
     if slots.device != ssm_pool.device:
         raise ValueError(f"slots must be on the pool's device ({ssm_pool.device}), got {slots.device}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    g = g if g.stride(-1) == 1 else g.contiguous()
-    beta = beta if beta.stride(-1) == 1 else beta.contiguous()
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
     slots = slots if slots.is_contiguous() else slots.contiguous()
     o = torch.empty(n, hv, dv, dtype=v.dtype, device=v.device)
     kmajor = ssm_pool.transpose(-1, -2).stride()  # [S, HV, K, V] strides of the K-last pool
     # slots stands in for the unused cu_seqlens and o for the unused intermediate states
-    _launch(q, k, v, g, beta, slots, slots, ssm_pool, ssm_pool, o, o, kmajor, kmajor, scale,
+    _launch(q, k, v, a, b, slots, slots, ssm_pool, ssm_pool, o, o, kmajor, kmajor, scale,
             hk=hk, hv=hv, dk=dk, dv=dv, n=n, use_qk_l2norm=use_qk_l2norm,
-            has_h0=True, store_inter=False, in_place=True)
+            has_h0=True, store_inter=False, in_place=True,
+            gates=(A_log.contiguous(), dt_bias.contiguous()))
     return o

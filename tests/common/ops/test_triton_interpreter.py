@@ -204,9 +204,13 @@ def test_recurrent_gated_delta_rule(monkeypatch, inter):
 
 def test_gdn_decode_in_place(monkeypatch):
     g = _gen(14)
+    tokens = gdn_tokens(g, 3)
+    ab = rand(g, 3, 2 * HV + 5, scale=3.0)  # raw gates: column views, large enough to saturate
     check(monkeypatch, "common.ops.gdn.triton", "common.ops.gdn.reference", "gdn_decode_in_place",
-          dict(**gdn_tokens(g, 3), ssm_pool=rand(g, 6, HV, V, K, scale=0.3),
-               slots=torch.tensor([4, 1, 5])), in_place=("ssm_pool",))
+          dict(q=tokens["q"], k=tokens["k"], v=tokens["v"], a=ab[:, :HV], b=ab[:, HV + 5:],
+               A_log=rand(g, HV, scale=0.5), dt_bias=rand(g, HV),
+               ssm_pool=rand(g, 6, HV, V, K, scale=0.3), slots=torch.tensor([4, 1, 5])),
+          in_place=("ssm_pool",))
 
 
 def test_gdn_verify(monkeypatch):

@@ -7,7 +7,7 @@ import torch
 
 from common.ops.conv1d.reference import conv1d_update_in_place
 from common.ops.gdn.commit_reference import gdn_commit_in_place
-from common.ops.gdn.reference import gdn_decode_in_place, gdn_gating
+from common.ops.gdn.reference import gdn_decode_in_place
 
 HK, HV, K, V, W, BLOCK, LAYERS = 2, 4, 8, 6, 4, 5, 3
 CONV_DIM = 2 * HK * K + HV * V
@@ -42,10 +42,9 @@ def decode_one_by_one(t, slots, accepted):
                 q = x[:, :key_dim].reshape(1, HK, K)
                 k = x[:, key_dim:2 * key_dim].reshape(1, HK, K)
                 v = x[:, 2 * key_dim:].reshape(1, HV, V)
-                g, beta = gdn_gating(A_log=t["A_log"][layer], a=t["a"][layer, row],
-                                     dt_bias=t["dt_bias"][layer], b=t["b"][layer, row])
-                gdn_decode_in_place(q=q, k=k, v=v, g=g, beta=beta, ssm_pool=ssm[layer],
-                                    slots=torch.tensor([slot]))
+                gdn_decode_in_place(q=q, k=k, v=v, a=t["a"][layer, row], b=t["b"][layer, row],
+                                    A_log=t["A_log"][layer], dt_bias=t["dt_bias"][layer],
+                                    ssm_pool=ssm[layer], slots=torch.tensor([slot]))
     return conv, ssm
 
 

@@ -258,7 +258,13 @@ def make_decode_in_place(n, hk, hv, dk, dv, dtype, seed, padding=0):
     pool = torch.randn(POOL_SLOTS, hv, dv, dk, generator=gen, device="cuda") * 0.3
     live = torch.randperm(POOL_SLOTS - 1, generator=gen, device="cuda")[:n] + 1
     slots = torch.cat([live, torch.zeros(padding, dtype=torch.int64, device="cuda")])
-    step = {key: inp[key] for key in ("q", "k", "v", "g", "beta")}
+    t = n + padding
+    # raw gate projections, as the model hands them to the decode op
+    gates = dict(a=torch.randn(t, hv, generator=gen, device="cuda").to(dtype),
+                 b=torch.randn(t, hv, generator=gen, device="cuda").to(dtype),
+                 A_log=torch.randn(hv, generator=gen, device="cuda") * 0.5,
+                 dt_bias=torch.randn(hv, generator=gen, device="cuda").to(dtype))
+    step = {key: inp[key] for key in ("q", "k", "v")} | gates
     return step, pool, slots
 
 

@@ -191,13 +191,24 @@ def test_caller_mistakes_raise_value_error():
 
 
 def _decode_in_place_inputs(n, hk, hv, num_slots, dtype=torch.float64, seed=0):
+    """One token per request with raw gate projections (the decode op's inputs)."""
     inp = _inputs([1] * n, hk, hv, dtype=dtype, seed=seed)
     gen = torch.Generator().manual_seed(seed + 100)
     pool = torch.randn(num_slots, hv, V_DIM, K_DIM, generator=gen, dtype=torch.float64).to(
         torch.float32 if dtype != torch.float64 else dtype)
     slots = torch.randperm(num_slots - 1, generator=gen)[:n] + 1  # shuffled, never scratch slot 0
-    step = {key: inp[key] for key in ("q", "k", "v", "g", "beta")}
+    gates = dict(a=torch.randn(n, hv, generator=gen, dtype=torch.float64).to(dtype),
+                 b=torch.randn(n, hv, generator=gen, dtype=torch.float64).to(dtype),
+                 A_log=torch.randn(hv, generator=gen, dtype=torch.float64) * 0.5,
+                 dt_bias=torch.randn(hv, generator=gen, dtype=torch.float64).to(dtype))
+    step = {key: inp[key] for key in ("q", "k", "v")} | gates
     return step, pool, slots
+
+
+def _formed_gates(step):
+    """q, k, v with g and beta formed from the raw projections: the recurrence's inputs."""
+    g, beta = gdn_gating(A_log=step["A_log"], a=step["a"], dt_bias=step["dt_bias"], b=step["b"])
+    return dict(q=step["q"], k=step["k"], v=step["v"], g=g, beta=beta)
 
 
 @pytest.mark.parametrize("n,hk,hv", [(1, 2, 4), (3, 3, 3), (9, 2, 4)])
@@ -206,7 +217,8 @@ def test_decode_in_place_equals_recurrent_on_gathered_rows(n, hk, hv):
     before = pool.clone()
     o = gdn_decode_in_place(**step, ssm_pool=pool, slots=slots)
     o_want, s_want = recurrent_gated_delta_rule(
-        **step, cu_seqlens=torch.arange(n + 1), initial_state=before[slots].transpose(-1, -2))
+        **_formed_gates(step), cu_seqlens=torch.arange(n + 1),
+        initial_state=before[slots].transpose(-1, -2))
     torch.testing.assert_close(o, o_want, rtol=0, atol=0)
     torch.testing.assert_close(pool[slots], s_want.transpose(-1, -2), rtol=0, atol=0)
     untouched = torch.ones(13, dtype=torch.bool)
@@ -222,7 +234,7 @@ def test_decode_in_place_dtypes_and_padding_rows_on_scratch_slot():
     o = gdn_decode_in_place(**step, ssm_pool=pool, slots=slots, scale=0.5)
     assert o.dtype == torch.bfloat16 and pool.dtype == torch.float32
     live = torch.tensor([0, 2])
-    one = {key: t[live] for key, t in step.items()}
+    one = {key: t[live] for key, t in _formed_gates(step).items()}
     o_want, s_want = recurrent_gated_delta_rule(**one, cu_seqlens=torch.arange(3), scale=0.5,
                                                 initial_state=before[slots[live]].transpose(-1, -2))
     # another batch size may reduce in another order: equal to within rounding
@@ -239,3 +251,7 @@ def test_decode_in_place_caller_mistakes_raise_value_error():
         gdn_decode_in_place(**step, ssm_pool=pool, slots=slots[:2])
     with pytest.raises(ValueError, match="slots"):
         gdn_decode_in_place(**step, ssm_pool=pool, slots=slots.double())
+    with pytest.raises(ValueError, match="a and b"):
+        gdn_decode_in_place(**dict(step, b=step["b"][:, :1]), ssm_pool=pool, slots=slots)
+    with pytest.raises(ValueError, match="A_log"):
+        gdn_decode_in_place(**dict(step, A_log=step["A_log"][:1]), ssm_pool=pool, slots=slots)

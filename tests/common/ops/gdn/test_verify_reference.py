@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.ops.conv1d.reference import conv1d_update_in_place
-from common.ops.gdn.reference import gdn_decode_in_place, gdn_gating
+from common.ops.gdn.reference import gdn_decode_in_place
 from common.ops.gdn.verify_reference import gdn_verify
 
 HK, HV, K, V, W = 2, 4, 8, 6, 4
@@ -35,11 +35,10 @@ def decoded_outputs(t, slots, lens):
         for _ in range(n):
             x = conv1d_update_in_place(x=t["mixed_qkv"][row:row + 1], conv_pool=conv,
                                        slots=torch.tensor([slot]), weight=t["conv_weight"])
-            g, beta = gdn_gating(A_log=t["A_log"], a=t["a"][row:row + 1], dt_bias=t["dt_bias"],
-                                 b=t["b"][row:row + 1])
             outs.append(gdn_decode_in_place(
                 q=x[:, :key_dim].reshape(1, HK, K), k=x[:, key_dim:2 * key_dim].reshape(1, HK, K),
-                v=x[:, 2 * key_dim:].reshape(1, HV, V), g=g, beta=beta, ssm_pool=ssm,
+                v=x[:, 2 * key_dim:].reshape(1, HV, V), a=t["a"][row:row + 1],
+                b=t["b"][row:row + 1], A_log=t["A_log"], dt_bias=t["dt_bias"], ssm_pool=ssm,
                 slots=torch.tensor([slot])))
             row += 1
     return torch.cat(outs)
