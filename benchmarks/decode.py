@@ -1,11 +1,15 @@
 """Decode step time vs batch size, prefill throughput, and DFLASH draft/verify times on a GPU,
-for a Qwen3.5-4B-shaped model with random weights. Decode steps are timed twice in one run:
-eager, and replayed from CUDA graphs.
+for a Qwen3.5-shaped model with random weights (4B by default; ``--shape qwen3.5-35b-a3b`` for
+the MoE one, without DFLASH: the z-lab-style draft geometry is the 4B's). Decode steps are timed
+twice in one run: eager, and replayed from CUDA graphs.
 
 Decode steps are compared with the floor memory bandwidth sets:
-(weight bytes + KV bytes read + GDN state bytes read and written) / the measured copy bandwidth.
+(weight bytes read + KV bytes read + GDN state bytes read and written) / the measured copy
+bandwidth. Weight bytes read: every parameter but an untied input embedding (one row per token
+is gathered); of a MoE layer's experts, only those a batch of that size picks on average with
+uniform routing, ``E * (1 - (1 - k/E) ** batch)``.
 
-    python -m benchmarks.decode [--kernels gpu] [--out out/decode.json]
+    python -m benchmarks.decode [--shape qwen3.5-4b] [--kernels gpu] [--out out/decode.json]
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ CONTEXT = 512
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def build(kernels: str, with_draft: bool):
-    config = shape_config("qwen3.5-4b")
+def build(kernels: str, with_draft: bool, shape: str = "qwen3.5-4b"):
+    if with_draft and shape != "qwen3.5-4b":
+        raise ValueError("the DFLASH part has a draft for the qwen3.5-4b shape only")
+    config = shape_config(shape)
     with torch.device("cuda"):
         model = model_class_for(config)(config, kernels=select_kernels(kernels))
     fill_deterministic(model.named_parameters(), seed=1, device="cuda")
@@ -90,8 +96,24 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / timed(lambda: dst.copy_(src), 10)
 
 
+def weight_bytes_read(model, batch: int) -> float:
+    """Bytes of weights one decode step of ``batch`` tokens reads (see the module docstring)."""
+    c = model.config
+    embedding = model.get_input_embeddings().weight
+    total = 0.0
+    for name, p in model.named_parameters():
+        if p is embedding and not c.tie_word_embeddings:
+            continue
+        size = p.numel() * p.element_size()
+        if ".experts." in name:  # packed [E, ...]: the experts a batch picks, on average
+            e, k = c.num_experts, c.num_experts_per_tok
+            size *= 1 - (1 - k / e) ** batch
+        total += size
+    return total
+
+
 def decode_floor_s(model, batch: int, context: int, bandwidth: float) -> float:
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes_read(model, batch)
     c = model.config
     kv_per_token = len(c.full_attention_layers) * 2 * c.num_key_value_heads * c.head_dim * 2
     state = len(c.linear_attention_layers) * (c.linear_num_value_heads * c.linear_key_head_dim
@@ -163,6 +185,7 @@ def bench_dflash(model, draft, block_sizes, batches, graphs=True) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernels", default="gpu")
+    p.add_argument("--shape", default="qwen3.5-4b", help="a benchmarks/shapes.py name")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--out", default="out/decode.json")
     p.add_argument("--parts", default="decode,prefill,dflash",
@@ -170,7 +193,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     parts = set(args.parts.split(","))
-    model, draft = build(args.kernels, with_draft="dflash" in parts)
+    model, draft = build(args.kernels, with_draft="dflash" in parts, shape=args.shape)
     bandwidth = copy_bandwidth()
     decode = bench_decode(model, bandwidth, batches) if "decode" in parts else []
     prefill = bench_prefill(model, [1, 4, 16, 32]) if "prefill" in parts else []
@@ -181,10 +204,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "kernels": args.kernels,
+                               "shape": args.shape,
                                "device": torch.cuda.get_device_name(),
                                "copy_GBps": bandwidth / 1e9, "decode": decode,
                                "prefill": prefill, "dflash": dflash}, indent=2))
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read+write); context {CONTEXT} tokens")
+    print(f"{args.shape}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read+write); context "
+          f"{CONTEXT} tokens")
     print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'eager/fl':>9} "
           f"{'graph/fl':>9} {'graph tok/s':>12}")
     for r in decode:
