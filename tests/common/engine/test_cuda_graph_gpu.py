@@ -96,3 +96,43 @@ def test_replay_logits_match_eager(models, record_metric):
     scale = logits[0].abs().max().item()
     record_metric("graph_vs_eager.logits_max_abs", diff)
     assert diff <= 2e-2 * scale
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    """Qwen3.5-35B-A3B's layer shapes (256 experts, top 8), 4 layers, random bf16 weights."""
+    from benchmarks.shapes import QWEN3_5_35B_A3B
+    from common.config import ModelConfig
+    from common.model.builtin import fill_deterministic
+    from common.model.qwen3_5 import model_class_for
+    from common.ops.gpu_backends import select_kernels
+
+    config = ModelConfig.from_dict({**QWEN3_5_35B_A3B, "num_hidden_layers": 4})
+    with torch.device("cuda"):
+        model = model_class_for(config)(config, kernels=select_kernels("gpu"))
+    fill_deterministic(model.named_parameters(), seed=3, device="cuda")
+    return model.eval()
+
+
+def test_moe_replay_gives_eager_tokens(moe_model):
+    """The capturable MoE op replays from graphs and gives the tokens of the same kernels run
+    eagerly: one request (the gathered experts path) and 12 (3 * 12 * 8 > 256 experts: the
+    dense path)."""
+    assert dict(moe_model.kernels.backends)["sparse_moe"] == "capturable"
+    gen = torch.Generator().manual_seed(5)
+    for count in (1, 12):
+        prompts = [torch.randint(0, 240000, (5 + 7 * i,), generator=gen).tolist()
+                   for i in range(count)]
+        params = [SamplingParams(temperature=0.0, max_new_tokens=6 + i % 4, ignore_eos=True)
+                  for i in range(count)]
+        runs = []
+        for capture in (False, True):
+            config = EngineConfig(
+                cache=CacheConfig(page_size=16, num_pages=400, num_slots=14),
+                scheduler=SchedulerConfig(max_running_requests=12), device="cuda",
+                cuda_graph=CudaGraphConfig(max_batch_size=16, capture=capture))
+            engine = LLMEngine(moe_model, config)
+            engine.warmup()
+            assert engine.runner.graphs is not None and engine.runner.graphs.captured
+            runs.append([r.output_ids for r in engine.generate(prompts, params)])
+        assert runs[0] == runs[1]
