@@ -5,11 +5,11 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
 - ``reference``: plain torch everywhere (CPU or GPU; the definition of the numbers).
 - ``gpu``: the fastest backends measured on H200 (docs/kernels.md): FlashInfer chunked GDN
   prefill (128-dim heads; other head dims and fp32 go to fla), our Triton token recurrence
-  (verify blocks and their commits: no host read, so a verify forward can be captured in a CUDA
-  graph; faster than fla's at decode sizes), our Triton conv1d, our Triton in-place decode
-  steps on the state pool (conv and recurrence) and commit of verified tokens into it,
-  FlashInfer paged attention (fp16/bf16 with head
-  dim 64/128/256; anything else goes to the reference), our Triton DFLASH draft block attention.
+  (faster than fla's at decode sizes), our Triton conv1d, our Triton steps on the state pool by
+  slot (the in-place decode step with its gates, the verify, and the commit of verified tokens:
+  no host read, so decode and verify forwards can be captured in CUDA graphs), FlashInfer paged
+  attention (fp16/bf16 with head dim 64/128/256; anything else goes to the reference), our
+  Triton DFLASH draft block attention.
 - ``gpu-fla``: as ``gpu`` but with fla's chunked prefill, for machines whose FlashInfer lacks
   the CuTe-DSL libraries its GDN kernels need.
 
