@@ -27,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.decode import build, engine_for, fill_batch
+from common.engine import speculative
 from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
@@ -100,10 +101,13 @@ def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 20, warm: in
             return out
         return wrapper
 
+    # greedy batches accept on the device (greedy_match), others on the host (_accept)
     originals = {"propose": spec.propose, "accept": spec._accept,
+                 "greedy_match": speculative.greedy_match,
                  "commit": target.commit_verified, "context": spec.extend_context}
     spec.propose = timed("propose", spec.propose)
     spec._accept = timed("accept", spec._accept)
+    speculative.greedy_match = timed("accept", speculative.greedy_match)
     target.commit_verified = timed("commit", target.commit_verified)
     spec.extend_context = timed("context", spec.extend_context)
     verify = spec.verify_graphs
@@ -126,6 +130,7 @@ def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 20, warm: in
                 rows.append(row)
     finally:
         spec.propose, spec._accept = originals["propose"], originals["accept"]
+        speculative.greedy_match = originals["greedy_match"]
         target.commit_verified, spec.extend_context = originals["commit"], originals["context"]
         if verify is not None:
             verify.run = originals["verify"]

@@ -77,12 +77,15 @@ class VerifyBuffers:
                 dst = buffer[layer, :rows * self.tokens].view(rows, self.tokens, -1)[:, :length]
                 dst.copy_(value.view(rows, length, -1))
 
-    def accepted_lengths(self, batch, accepted_lens: list[int]) -> torch.Tensor:
-        """``accepted_lens`` checked against the pending VERIFY batch, as an int32 tensor on the
-        buffers' device (one small copy for all layers of the commit).
+    def accepted_lengths(self, batch, accepted_lens: list[int] | torch.Tensor) -> torch.Tensor:
+        """``accepted_lens`` for the pending VERIFY batch, as an int32 tensor on the buffers'
+        device (one small copy for all layers of the commit).
 
-        Raises ValueError when ``batch`` is not the pending VERIFY batch or a length is outside
-        ``1..extend_lens[r]``.
+        A tensor already on the buffers' device is taken as it is, unread: lengths computed on
+        the GPU (greedy acceptance) must not be waited for. Host lengths are checked.
+
+        Raises ValueError when ``batch`` is not the pending VERIFY batch, the count is wrong, or
+        a host length is outside ``1..extend_lens[r]``.
         """
         if self.pending is None:
             raise ValueError("commit without a pending VERIFY forward (already committed, or "
@@ -92,6 +95,10 @@ class VerifyBuffers:
         if len(accepted_lens) != batch.num_requests:
             raise ValueError(f"accepted_lens has {len(accepted_lens)} entries for "
                              f"{batch.num_requests} requests")
+        if torch.is_tensor(accepted_lens) and accepted_lens.device == self.qkv.device:
+            return accepted_lens.to(torch.int32)
+        if torch.is_tensor(accepted_lens):
+            accepted_lens = accepted_lens.tolist()
         for r, (j, k) in enumerate(zip(accepted_lens, batch.extend_lens)):
             if not 1 <= j <= k:
                 raise ValueError(f"request {r}: accepted length {j} is outside 1..{k} (the "

@@ -31,14 +31,26 @@ class Acceptance:
         return self.num_accepted + 1
 
 
+def greedy_match(drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """[2, N] on the logits' device, nothing read on the host: row 0 the length of the longest
+    prefix of ``drafts`` [N, B-1] equal to the target's argmax over ``logits`` [N, B, V], row 1
+    the target's argmax right after it (the bonus)."""
+    choice = logits.argmax(-1)  # [N, B]
+    match = (drafts.to(choice.dtype) == choice[:, :-1]).int().cumprod(-1).sum(-1)  # [N]
+    bonus = choice.gather(1, match[:, None]).squeeze(1)
+    return torch.stack([match.to(bonus.dtype), bonus])
+
+
+def read_greedy(matched: torch.Tensor) -> list[Acceptance]:
+    """The :class:`Acceptance` of each request from :func:`greedy_match` (one host read)."""
+    matches, bonuses = matched.tolist()
+    return [Acceptance(int(m), int(b)) for m, b in zip(matches, bonuses)]
+
+
 def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> list[Acceptance]:
     """Longest prefix of ``drafts`` [N, B-1] equal to the target's argmax over ``logits``
     [N, B, V]; the bonus is the target's argmax right after it."""
-    choice = logits.argmax(-1)  # [N, B]
-    match = (drafts == choice[:, :-1]).int().cumprod(-1).sum(-1)  # [N]
-    bonus = choice.gather(1, match[:, None]).squeeze(1)
-    matches, bonuses = torch.stack([match.to(bonus.dtype), bonus]).tolist()  # one host read
-    return [Acceptance(int(m), int(b)) for m, b in zip(matches, bonuses)]
+    return read_greedy(greedy_match(drafts, logits))
 
 
 def accept_sampled(drafts_row: torch.Tensor, logits_row: torch.Tensor, params: SamplingParams,

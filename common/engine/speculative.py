@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from common.cache.kv_pool import KVPool, page_table
 from common.cache.state_pool import GDNStatePool
-from common.engine.acceptance import Acceptance, accept_greedy, accept_sampled
+from common.engine.acceptance import (Acceptance, accept_greedy, accept_sampled, greedy_match,
+                                     read_greedy)
 from common.engine.cuda_graph import CudaGraphConfig, GraphRunner
 from common.engine.draft_graph import DraftGraphRunner
 from common.engine.request import Request
@@ -145,11 +147,19 @@ class DFlashSpeculator:
             out = self.target(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
             self.extend_context(out.aux_hidden_states, batch)
         logits = out.logits.view(n, b, -1)
-        accepted = self._accept(requests, drafts, logits, seed_for)
+        padding = batch.num_requests - n  # padding rows of a graph batch: scratch slot 0
+        if all(r.params.is_greedy for r in requests):
+            # acceptance and commit are queued behind the verify on the device, and the host
+            # reads the outcome once, after both: the GPU does not idle between them
+            matched = greedy_match(drafts, logits)
+            lengths = F.pad(matched[0] + 1, (0, padding), value=1)
+            self.target.commit_verified(batch, lengths, state_pool=self.state_pool)
+            accepted = read_greedy(matched)
+        else:
+            accepted = self._accept(requests, drafts, logits, seed_for)
+            self.target.commit_verified(batch, [a.commit_len for a in accepted] + [1] * padding,
+                                        state_pool=self.state_pool)
         commits = [a.commit_len for a in accepted]
-        # padding rows of a graph batch commit one token into the scratch slot
-        self.target.commit_verified(batch, commits + [1] * (batch.num_requests - n),
-                                    state_pool=self.state_pool)
         if drafts_copied is not None:
             drafts_copied.synchronize()  # long done: acceptance read the host after it
         outcomes = []
@@ -162,9 +172,9 @@ class DFlashSpeculator:
         return outcomes
 
     def _accept(self, requests, drafts, logits, seed_for) -> list[Acceptance]:
+        """Acceptance of a batch with sampled requests (greedy rows by argmax, the others by
+        rejection sampling on the host)."""
         greedy_rows = [i for i, r in enumerate(requests) if r.params.is_greedy]
-        if len(greedy_rows) == len(requests):  # no index tensor to copy to the device
-            return accept_greedy(drafts, logits)
         result: list[Acceptance | None] = [None] * len(requests)
         if greedy_rows:
             index = torch.tensor(greedy_rows, device=logits.device)

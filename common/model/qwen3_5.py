@@ -107,7 +107,7 @@ class HybridModel(nn.Module):
                if self.capture_layer_ids else None)
         return x, aux
 
-    def commit_verified(self, batch: ForwardBatch, accepted_lens: list[int], *,
+    def commit_verified(self, batch: ForwardBatch, accepted_lens: list[int] | torch.Tensor, *,
                         state_pool: GDNStatePool, kernels: Kernels) -> None:
         """Replay every GDN layer's accepted verify inputs into the slots, all layers in one
         ``gdn_commit_in_place`` call (see the wrapper)."""
@@ -204,12 +204,13 @@ class HybridForCausalLM(nn.Module):
         """Make each request's GDN slot hold the state after its first ``accepted_lens[r]``
         tokens of the latest VERIFY forward (``batch`` must be that forward's batch).
 
-        ``accepted_lens``: N ints (list or tensor), each in ``1..extend_lens[r]``. Full-attention
-        KV needs nothing: the tokens past the new length are simply never read again.
+        ``accepted_lens``: N ints (list or tensor), each in ``1..extend_lens[r]``; a tensor on
+        the state pool's device is used without being read on the host (see
+        ``VerifyBuffers.accepted_lengths``). Full-attention KV needs nothing: the tokens past the
+        new length are simply never read again.
         """
-        accepted = [int(j) for j in (accepted_lens.tolist() if torch.is_tensor(accepted_lens)
-                                     else accepted_lens)]
-        self.model.commit_verified(batch, accepted, state_pool=state_pool, kernels=self.kernels)
+        self.model.commit_verified(batch, accepted_lens, state_pool=state_pool,
+                                   kernels=self.kernels)
 
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
