@@ -11,6 +11,7 @@
   also counted in "verify", so "rest" comes out negative.
 
     python -m benchmarks.profile_step --device cuda --batch 1 [--out out/profile.json]
+    python -m benchmarks.profile_step --model qwen3.5-35b-a3b          # MoE decode (no DFLASH)
     python -m benchmarks.profile_step --device cpu --model tiny      # a quick run on the CPU
 """
 
@@ -140,7 +141,9 @@ def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 20, warm: in
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--model", default="qwen3.5-4b", help="qwen3.5-4b (random weights) or tiny")
+    p.add_argument("--model", default="qwen3.5-4b",
+                   help="a benchmarks/shapes.py name (random weights; DFLASH for qwen3.5-4b "
+                        "only, the draft's shape) or tiny")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--out", default="out/profile.json")
@@ -149,16 +152,18 @@ def main(argv=None) -> int:
         plain, spec = tiny_engine(False), tiny_engine(True)
         prompt_len, vocab = 24, 250
     else:
-        model, draft = build("gpu", with_draft=True)
+        with_draft = args.model == "qwen3.5-4b"
+        model, draft = build("gpu", with_draft=with_draft, shape=args.model)
         plain = engine_for(model, None, max_running=max(8, args.batch), graphs=True)
         spec = engine_for(model, draft, block_size=args.block_size,
-                          max_running=max(8, args.batch), graphs=True)
+                          max_running=max(8, args.batch), graphs=True) if with_draft else None
         prompt_len, vocab = 512, None
     for engine in (plain, spec):
-        fill_batch(engine, args.batch, prompt_len, 400, vocab=vocab)
+        if engine is not None:
+            fill_batch(engine, args.batch, prompt_len, 400, vocab=vocab)
     decode = profile_decode(plain, args.device)
-    dflash = time_dflash_phases(spec, args.device)
-    dflash_profile = profile_decode(spec, args.device)
+    dflash = time_dflash_phases(spec, args.device) if spec else {}
+    dflash_profile = profile_decode(spec, args.device) if spec else {}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": args.model, "batch": args.batch, "decode": decode,
@@ -167,6 +172,8 @@ def main(argv=None) -> int:
           f"(GEMMs {decode['gemm_ms']:.2f} ms), {decode['launches_per_step']:.0f} launches")
     for k in decode["top"][:25]:
         print(f"  {k['us_per_step']:>9.1f} us  x{k['launches_per_step']:<5.0f} {k['kernel']}")
+    if not spec:
+        return 0
     print(f"dflash step: wall {dflash_profile['wall_ms']:.2f} ms, device "
           f"{dflash_profile['device_ms']:.2f} ms, {dflash_profile['launches_per_step']:.0f} launches")
     for k in dflash_profile["top"][:12]:
