@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from common.ops.conv1d.reference import causal_conv1d_prefill
-from common.ops.gdn.reference import gdn_gating, recurrent_gated_delta_rule
+from common.ops.gdn.replay_reference import check_layer, replay
 
 __all__ = ["gdn_commit_in_place", "check_commit"]
 
@@ -26,36 +25,22 @@ def check_commit(*, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: 
     """Shape rules of :func:`gdn_commit_in_place`, from metadata only; returns (L, N, K, V, W)."""
     if qkv.dim() != 3:
         raise ValueError(f"qkv must be [L, rows, conv_dim], got {tuple(qkv.shape)}")
-    layers, rows, conv_dim = qkv.shape
-    hv = num_v_heads
-    if a.shape != (layers, rows, hv) or b.shape != (layers, rows, hv):
-        raise ValueError(f"a and b must be [{layers}, {rows}, {hv}], got {tuple(a.shape)} and "
-                         f"{tuple(b.shape)}")
-    if ssm_pool.dim() != 5 or ssm_pool.shape[0] != layers or ssm_pool.shape[2] != hv:
-        raise ValueError(f"ssm_pool must be [{layers}, S, {hv}, V, K], got {tuple(ssm_pool.shape)}")
-    dv, dk = ssm_pool.shape[3], ssm_pool.shape[4]
-    if num_k_heads < 1 or hv % num_k_heads != 0:
-        raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({num_k_heads})")
-    if conv_dim != 2 * num_k_heads * dk + hv * dv:
-        raise ValueError(f"qkv has {conv_dim} channels, expected 2*{num_k_heads}*{dk} + {hv}*{dv}")
-    if conv_weight.dim() != 3 or conv_weight.shape[:2] != (layers, conv_dim):
-        raise ValueError(f"conv_weight must be [{layers}, {conv_dim}, W], got "
-                         f"{tuple(conv_weight.shape)}")
-    width = conv_weight.shape[2]
-    want = (layers, ssm_pool.shape[1], conv_dim, width - 1)
-    if conv_pool.shape != want:
-        raise ValueError(f"conv_pool must be {list(want)}, got {tuple(conv_pool.shape)}")
-    n = slots.numel()
-    if slots.dim() != 1 or slots.is_floating_point():
-        raise ValueError(f"slots must be an integer tensor [N], got {slots.dtype} {tuple(slots.shape)}")
+    layers = qkv.shape[0]
+    stacked = dict(a=(a, 3), b=(b, 3), conv_pool=(conv_pool, 4), conv_weight=(conv_weight, 3),
+                   ssm_pool=(ssm_pool, 5), A_log=(A_log, 2), dt_bias=(dt_bias, 2))
+    for name, (t, dims) in stacked.items():
+        if t.dim() != dims or t.shape[0] != layers:
+            raise ValueError(f"{name} must have {dims} dims, the first the {layers} layers, "
+                             f"got {tuple(t.shape)}")
+    rows, n, dk, dv, width = check_layer(
+        qkv=qkv[0], a=a[0], b=b[0], conv_pool=conv_pool[0], conv_weight=conv_weight[0],
+        ssm_pool=ssm_pool[0], slots=slots, A_log=A_log[0], dt_bias=dt_bias[0],
+        num_k_heads=num_k_heads, num_v_heads=num_v_heads)
     if accepted.shape != (n,) or accepted.is_floating_point():
         raise ValueError(f"accepted must be an integer tensor [{n}], got {accepted.dtype} "
                          f"{tuple(accepted.shape)}")
     if block < 1 or n * block > rows:
         raise ValueError(f"{n} requests x block {block} exceed the {rows} recorded rows")
-    if A_log.shape != (layers, hv) or dt_bias.shape != (layers, hv):
-        raise ValueError(f"A_log and dt_bias must be [{layers}, {hv}], got {tuple(A_log.shape)} "
-                         f"and {tuple(dt_bias.shape)}")
     return layers, n, dk, dv, width
 
 
@@ -79,10 +64,10 @@ def gdn_commit_in_place(
     """Fold the first ``accepted[n]`` recorded tokens of request n into pool row ``slots[n]`` of
     every layer.
 
-    Exactly what EXTEND of those tokens does to the slot: silu causal conv from the slot's window
-    (``causal_conv1d_prefill``), gates (``gdn_gating``), then the l2-normalised gated delta rule
-    from the slot's state (``recurrent_gated_delta_rule``); the conv window and state are written
-    back. The token outputs are not needed and not computed.
+    Exactly what EXTEND of those tokens does to the slot (``replay_reference.replay``: silu causal
+    conv from the slot's window, gates, the l2-normalised gated delta rule from the slot's
+    state); the conv window and state are written back. The token outputs are not needed (this
+    reference computes and drops them; the Triton op does not compute them).
 
     Every tensor but ``accepted`` and ``slots`` has a leading layer dim L (layer l of each is
     one GDN layer).
@@ -102,10 +87,10 @@ def gdn_commit_in_place(
             slot 0 (what lands there is unspecified).
         scale: query scale of the rule (unused by the state; kept for the rule's contract).
     """
-    layers, n, dk, dv, _ = check_commit(qkv=qkv, a=a, b=b, block=block, accepted=accepted,
-                                conv_pool=conv_pool, conv_weight=conv_weight, ssm_pool=ssm_pool,
-                                slots=slots, A_log=A_log, dt_bias=dt_bias,
-                                num_k_heads=num_k_heads, num_v_heads=num_v_heads)
+    layers = check_commit(qkv=qkv, a=a, b=b, block=block, accepted=accepted,
+                          conv_pool=conv_pool, conv_weight=conv_weight, ssm_pool=ssm_pool,
+                          slots=slots, A_log=A_log, dt_bias=dt_bias, num_k_heads=num_k_heads,
+                          num_v_heads=num_v_heads)[0]
     lens = [int(j) for j in accepted.tolist()]
     if any(not 1 <= j <= block for j in lens):
         raise ValueError(f"accepted lengths {lens} must each be in 1..{block}")
@@ -117,20 +102,11 @@ def gdn_commit_in_place(
         bounds.append(bounds[-1] + j)
     cu = torch.tensor(bounds, dtype=torch.long, device=device)
     rows = slots.to(device=conv_pool.device, dtype=torch.long)
-    key_dim = num_k_heads * dk
-    t = index.numel()
     for layer in range(layers):
-        x, new_conv = causal_conv1d_prefill(
-            x=qkv[layer, index], weight=conv_weight[layer], cu_seqlens=cu,
-            initial_state=conv_pool[layer, rows], activation="silu")
-        q = x[:, :key_dim].reshape(t, num_k_heads, dk)
-        k = x[:, key_dim:2 * key_dim].reshape(t, num_k_heads, dk)
-        v = x[:, 2 * key_dim:].reshape(t, num_v_heads, dv)
-        g, beta = gdn_gating(A_log=A_log[layer], a=a[layer, index], dt_bias=dt_bias[layer],
-                             b=b[layer, index])
-        _, final = recurrent_gated_delta_rule(
-            q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu,
-            initial_state=ssm_pool[layer, rows].transpose(-1, -2), scale=scale,
-            use_qk_l2norm=True)
+        _, new_conv, final = replay(
+            mixed_qkv=qkv[layer, index], a=a[layer, index], b=b[layer, index], cu_seqlens=cu,
+            conv_state=conv_pool[layer, rows], conv_weight=conv_weight[layer],
+            ssm_state=ssm_pool[layer, rows], A_log=A_log[layer], dt_bias=dt_bias[layer],
+            num_k_heads=num_k_heads, num_v_heads=num_v_heads, scale=scale)
         conv_pool[layer, rows] = new_conv.to(conv_pool.dtype)
-        ssm_pool[layer, rows] = final.transpose(-1, -2).to(ssm_pool.dtype)
+        ssm_pool[layer, rows] = final.to(ssm_pool.dtype)
