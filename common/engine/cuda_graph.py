@@ -248,9 +248,7 @@ class GraphRunner:
             # before the previous one that has to be finished)
             self._planned.synchronize()
         self._plan(bs, pages, seq_lens)
-        if self.kv_pool.kv.is_cuda:
-            self._planned = torch.cuda.Event()
-            self._planned.record()
+        self._planned = recorded_event(self.kv_pool.kv.device)
         batch = self.batches[bs]
         if self.capture_graphs:
             if self.mode == ForwardMode.VERIFY:
@@ -264,6 +262,16 @@ class GraphRunner:
         t = n * q_len
         aux = None if out.aux_hidden_states is None else out.aux_hidden_states[:t]
         return ModelOutput(logits=out.logits[:t], aux_hidden_states=aux), batch
+
+
+def recorded_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the work queued so far on ``device``'s current stream, to wait for that
+    work alone later (None off CUDA, where the work is already done)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def capture_graphs(batch_sizes: Sequence[int], *, prepare: Callable[[int], None],

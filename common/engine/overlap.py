@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.cuda_graph import GraphRunner
+from common.engine.cuda_graph import GraphRunner, recorded_event
 from common.engine.relay import PayloadRelay
 from common.engine.request import Request
 
@@ -87,10 +87,7 @@ class OverlapDecoder:
         host = self._hosts[self._turn][:n]
         self._turn ^= 1
         host.copy_(tokens, non_blocking=self.on_gpu)
-        ready = None
-        if self.on_gpu:
-            ready = torch.cuda.Event()
-            ready.record()
+        ready = recorded_event(out.logits.device)
         for r in requests:
             r.num_cached += 1
         previous, self.in_flight = self.in_flight, InFlight(list(requests), host, ready)

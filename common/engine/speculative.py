@@ -17,7 +17,7 @@ from common.cache.kv_pool import KVPool, page_table
 from common.cache.state_pool import GDNStatePool
 from common.engine.acceptance import (Acceptance, accept_greedy, accept_sampled, greedy_match,
                                      read_greedy)
-from common.engine.cuda_graph import CudaGraphConfig, GraphRunner
+from common.engine.cuda_graph import CudaGraphConfig, GraphRunner, recorded_event
 from common.engine.draft_graph import DraftGraphRunner
 from common.engine.request import Request
 from common.model.dflash import DFlashDraftModel, DraftKVPool
@@ -133,7 +133,7 @@ class DFlashSpeculator:
             # the drafts reach the verify's inputs on the device, and the host a copy of them
             # by acceptance's read: no wait between the draft and the verify graph
             drafts_host = drafts.to("cpu", non_blocking=True)
-            drafts_copied = _recorded_event(drafts)
+            drafts_copied = recorded_event(drafts.device)
             firsts = [[r.output_ids[-1]] + [0] * (b - 1) for r in requests]
             out, batch = self.verify_graphs.run(requests, firsts, tail_ids=drafts)
             # (the verify graph also extends the draft context)
@@ -186,12 +186,3 @@ class DFlashSpeculator:
                 result[i] = accept_sampled(drafts[i], logits[i], r.params, r.generator)
         return result
 
-
-def _recorded_event(t: torch.Tensor) -> torch.cuda.Event | None:
-    """An event after the work queued so far on ``t``'s device (None off CUDA, where copies
-    are synchronous)."""
-    if not t.is_cuda:
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
