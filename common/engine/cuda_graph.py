@@ -215,18 +215,15 @@ class GraphRunner:
         return out
 
     def run(self, requests: Sequence[Request], token_ids: Sequence[Sequence[int]] | None, *,
-            input_ids: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            tail_ids: torch.Tensor | None = None) -> tuple[ModelOutput, ForwardBatch]:
-        """Forward ``token_ids[r]`` (q_len each) of every request at positions ``num_cached..``.
+            device_ids: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+            ) -> tuple[ModelOutput, ForwardBatch]:
+        """Forward ``token_ids[r]`` (q_len each; None: zeros) of every request at positions
+        ``num_cached..``.
 
-        Ids the host has not read yet come from the device instead:
-
-        - ``input_ids``, instead of ``token_ids``: a function of the rows' state slots (a device
-          tensor) returning their ``[n * q_len]`` ids (overlap scheduling);
-        - ``tail_ids``: ``[n, q_len - 1]`` ids replacing every token of each row but its first
-          (``token_ids`` gives the first; DFLASH drafts go from the draft graph's output into
-          the verify's inputs without a host read).
-
+        ``device_ids(ids, slots)``, when given, then writes ids the host has not read yet into
+        ``ids``, the ``[n, q_len]`` view of the graph's input ids, given the rows' state slots
+        (a device tensor): the previous step's tokens from the payload relay (overlap
+        scheduling), or DFLASH drafts straight from the draft graph's output.
         Returns the output of the real rows (logits ``[n * q_len, V]``, views of the graph's
         buffers, valid until the next run) and the padded batch (for a VERIFY commit).
         Does not advance ``num_cached``.
@@ -238,10 +235,9 @@ class GraphRunner:
         pages = [r.page_ids[:self.kv_pool.pages_for(s)] for r, s in zip(requests, seq_lens)]
         self.inputs.fill(token_ids, [r.num_cached for r in requests], pages,
                          [r.slot for r in requests], page_size)
-        if input_ids is not None:
-            self.inputs.input_ids[:n * q_len].copy_(input_ids(self.inputs.state_slots[:n]))
-        if tail_ids is not None:
-            self.inputs.input_ids[:n * q_len].view(n, q_len)[:, 1:].copy_(tail_ids)
+        if device_ids is not None:
+            device_ids(self.inputs.input_ids[:n * q_len].view(n, q_len),
+                       self.inputs.state_slots[:n])
         if self._planned is not None:
             # FlashInfer plans stage through one pinned host buffer: the previous plan's copy
             # must have left it (long done unless steps overlap, and then it is the step

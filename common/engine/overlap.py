@@ -79,8 +79,8 @@ class OverlapDecoder:
         """Queue one decode step of ``requests`` (advancing their ``num_cached``); returns the
         step launched before it, for :meth:`collect`. ``sample(logits, requests)`` picks the
         tokens on the device."""
-        out, batch = self.graphs.run(
-            requests, None, input_ids=lambda slots: self.relay.read(NEXT_TOKEN, slots))
+        out, batch = self.graphs.run(requests, None, device_ids=lambda ids, slots: ids.copy_(
+            self.relay.read(NEXT_TOKEN, slots).view(-1, 1)))
         n = len(requests)
         tokens = sample(out.logits, requests)
         self.relay.write(NEXT_TOKEN, batch.state_slots[:n], tokens)

@@ -135,7 +135,8 @@ class DFlashSpeculator:
             drafts_host = drafts.to("cpu", non_blocking=True)
             drafts_copied = recorded_event(drafts.device)
             firsts = [[r.output_ids[-1]] + [0] * (b - 1) for r in requests]
-            out, batch = self.verify_graphs.run(requests, firsts, tail_ids=drafts)
+            out, batch = self.verify_graphs.run(
+                requests, firsts, device_ids=lambda ids, _: ids[:, 1:].copy_(drafts))
             # (the verify graph also extends the draft context)
         else:
             drafts_host, drafts_copied = drafts.cpu(), None
