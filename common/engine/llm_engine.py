@@ -90,19 +90,20 @@ class LLMEngine:
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids) or model.config.eos_token_ids
         self.kv_pool, self.state_pool = make_pools(model, config.cache, config.device)
-        graphs_on = self._graphs_apply()
+        token_cap = self._graph_token_cap()
+        graphs_on = self._graphs_apply(token_cap)
         self.speculator = None if draft is None else DFlashSpeculator(
             model, draft, self.kv_pool, self.state_pool, block_size=block_size,
             max_requests=0 if config.hold_after_prefill
             else config.scheduler.max_running_requests,
             graphs=config.cuda_graph if graphs_on else None,
-            max_graph_tokens=self._graph_token_cap() if graphs_on else None)
+            max_graph_tokens=token_cap if graphs_on else None)
         # a verify block writes block_size positions past the cache: reserve room for them
         lookahead = self.speculator.block_size if self.speculator else 0
         self.scheduler = Scheduler(replace(config.scheduler, lookahead_tokens=lookahead),
                                    self.kv_pool, self.state_pool)
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device,
-                                  graphs=self._decode_graphs() if graphs_on else None)
+                                  graphs=self._decode_graphs(token_cap) if graphs_on else None)
         self.overlap = None
         if config.overlap_schedule and self.runner.graphs is not None:
             self.overlap = OverlapDecoder(self.runner.graphs, config.cache.num_slots)
@@ -110,14 +111,15 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
-    def _graphs_apply(self) -> bool:
-        """Whether this engine runs decode (and DFLASH) steps through graph runners."""
+    def _graphs_apply(self, token_cap: int | None) -> bool:
+        """Whether this engine runs decode (and DFLASH) steps through graph runners
+        (``token_cap``: :meth:`_graph_token_cap`)."""
         graphs, config = self.config.cuda_graph, self.config
         on_gpu = torch.device(config.device).type == "cuda"
         # a prefill worker never decodes: its requests leave after their first token
         if not graphs.enabled or config.hold_after_prefill or (graphs.capture and not on_gpu):
             return False
-        if graphs.capture and self._graph_token_cap() == 0:
+        if graphs.capture and token_cap == 0:
             # the reference MoE op groups tokens by expert on the host: no graph can replay it
             log.warning("CUDA graphs are off: the sparse MoE backend %r is not capturable; "
                         "decode runs eagerly",
@@ -137,10 +139,10 @@ class LLMEngine:
         backend = dict(self.model.kernels.backends).get("sparse_moe")
         return capturable.MAX_TOKENS if backend == "capturable" else 0
 
-    def _decode_graphs(self) -> GraphRunner:
-        cap = self._graph_token_cap()
+    def _decode_graphs(self, token_cap: int | None) -> GraphRunner:
         running = self.config.scheduler.max_running_requests
-        sizes = self.config.cuda_graph.batch_sizes(running if cap is None else min(running, cap))
+        sizes = self.config.cuda_graph.batch_sizes(
+            running if token_cap is None else min(running, token_cap))
         return GraphRunner(self.model, self.kv_pool, self.state_pool, batch_sizes=sizes,
                            capture=self.config.cuda_graph.capture)
 
