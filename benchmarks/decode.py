@@ -1,7 +1,9 @@
 """Decode step time vs batch size, prefill throughput, and DFLASH draft/verify times on a GPU,
 for a Qwen3.5-shaped model with random weights (4B by default; ``--shape qwen3.5-35b-a3b`` for
 the MoE one, without DFLASH: the z-lab-style draft geometry is the 4B's). Decode steps are timed
-twice in one run: eager, and replayed from CUDA graphs.
+in one run several ways: eager; replayed from CUDA graphs; replayed with overlap scheduling (the
+host prepares step n+1 while the GPU runs step n); and, with ``--cublas-baseline``, replayed with
+every projection on cuBLAS, for a same-run ratio of what our GEMV gains.
 
 Decode steps are compared with the floor memory bandwidth sets:
 (weight bytes read + KV bytes read + GDN state bytes read and written) / the measured copy
@@ -9,12 +11,15 @@ bandwidth. Weight bytes read: every parameter but an untied input embedding (one
 is gathered); of a MoE layer's experts, only those a batch of that size picks on average with
 uniform routing, ``E * (1 - (1 - k/E) ** batch)``.
 
-    python -m benchmarks.decode [--shape qwen3.5-4b] [--kernels gpu] [--out out/decode.json]
+    python -m benchmarks.decode [--shape qwen3.5-4b] [--kernels gpu] [--cublas-baseline]
+                                [--out out/decode.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -53,13 +58,13 @@ def build(kernels: str, with_draft: bool, shape: str = "qwen3.5-4b"):
     return model.eval(), draft
 
 
-def engine_for(model, draft, *, block_size=None, max_running=256, graphs=False):
+def engine_for(model, draft, *, block_size=None, max_running=256, graphs=False, overlap=False):
     """An engine on the GPU; with ``graphs`` its CUDA graphs are captured before it returns."""
     cache = CacheConfig(page_size=16, num_pages=max_running * (CONTEXT + 160) // 16 + 64,
                         num_slots=max_running + 1)
     sched = SchedulerConfig(max_prefill_tokens=16384, max_running_requests=max_running)
     config = EngineConfig(cache=cache, scheduler=sched, device="cuda",
-                          cuda_graph=CudaGraphConfig(enabled=graphs))
+                          cuda_graph=CudaGraphConfig(enabled=graphs), overlap_schedule=overlap)
     engine = LLMEngine(model, config, draft=draft, block_size=block_size)
     if graphs:
         engine.warmup()
@@ -122,22 +127,66 @@ def decode_floor_s(model, batch: int, context: int, bandwidth: float) -> float:
     return (weights + batch * (context * kv_per_token + 2 * state)) / bandwidth
 
 
-def bench_decode(model, bandwidth, batches) -> list[dict]:
-    """Engine decode steps (schedule, forward, sample) per batch size, eager and from graphs."""
-    engines = {mode: engine_for(model, None, max_running=max(batches), graphs=mode == "graph")
-               for mode in ("eager", "graph")}
+@contextlib.contextmanager
+def kernels_of(model, kernels):
+    """The model runs ``kernels`` inside (graphs captured inside keep them)."""
+    kept, model.kernels = model.kernels, kernels
+    try:
+        yield
+    finally:
+        model.kernels = kept
+
+
+def cublas_kernels(model):
+    """The model's kernels with every projection on cuBLAS, and the pre-norms and the SwiGLU
+    activation as launches of their own (Triton): the GPU kernel set as it was before our
+    GEMV, for a same-run ratio."""
+    from common.ops.linear.reference import linear
+    from common.ops.mlp.triton import silu_and_mul
+
+    kn = model.kernels
+
+    def linear_swiglu(*, x, weight):
+        return silu_and_mul(x=linear(x=x, weight=weight))
+
+    def norm_linear(*, x, residual, norm_weight, eps, weight, swiglu=False):
+        if residual is None:
+            normed, summed = kn.rms_norm(x=x, weight=norm_weight, eps=eps), x
+        else:
+            normed, summed = kn.add_rms_norm(x=x, residual=residual, weight=norm_weight, eps=eps)
+        return (linear_swiglu if swiglu else linear)(x=normed, weight=weight), summed
+
+    return dataclasses.replace(kn, linear=linear, linear_swiglu=linear_swiglu,
+                               norm_linear=norm_linear)
+
+
+def bench_decode(model, bandwidth, batches, cublas=False) -> list[dict]:
+    """Engine decode steps (schedule, forward, sample) per batch size: eager, from graphs, from
+    graphs with overlap scheduling, and (``cublas``) from graphs with cuBLAS projections."""
+    modes = {"eager": (model.kernels, False, False), "graph": (model.kernels, True, False),
+             "overlap": (model.kernels, True, True)}
+    if cublas:
+        modes["cublas"] = (cublas_kernels(model), True, False)
+    engines = {}
+    for mode, (kernels, graphs, overlap) in modes.items():
+        with kernels_of(model, kernels):
+            engines[mode] = engine_for(model, None, max_running=max(batches), graphs=graphs,
+                                       overlap=overlap)
     rows = []
     for batch in batches:
         floor = decode_floor_s(model, batch, CONTEXT + 5, bandwidth)
         row = {"batch": batch, "floor_ms": floor * 1e3}
         for mode, engine in engines.items():
-            reqs = fill_batch(engine, batch, CONTEXT, 64)
-            engine.step()  # warm-up at this batch size
-            step_s = timed(engine.step, 8)
+            with kernels_of(model, modes[mode][0]):
+                reqs = fill_batch(engine, batch, CONTEXT, 64)
+                engine.step()  # warm-up at this batch size
+                step_s = timed(engine.step, 8)
+                for r in reqs:
+                    engine.abort(r.request_id)
+                while engine.has_work():  # an overlapped step still in flight
+                    engine.step()
             row.update({f"{mode}_ms": step_s * 1e3, f"{mode}_x_floor": step_s / floor,
                         f"{mode}_tokens_per_s": batch / step_s})
-            for r in reqs:
-                engine.abort(r.request_id)
         rows.append(row)
     del engines
     torch.cuda.empty_cache()
@@ -190,12 +239,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/decode.json")
     p.add_argument("--parts", default="decode,prefill,dflash",
                    help="comma-separated parts to run: decode, prefill, dflash")
+    p.add_argument("--cublas-baseline", action="store_true",
+                   help="also time decode graphs with cuBLAS projections (the kernel set before "
+                        "our GEMV), for a same-run ratio")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     parts = set(args.parts.split(","))
     model, draft = build(args.kernels, with_draft="dflash" in parts, shape=args.shape)
     bandwidth = copy_bandwidth()
-    decode = bench_decode(model, bandwidth, batches) if "decode" in parts else []
+    baseline = args.cublas_baseline
+    decode = bench_decode(model, bandwidth, batches, baseline) if "decode" in parts else []
     prefill = bench_prefill(model, [1, 4, 16, 32]) if "prefill" in parts else []
     dflash = []
     if "dflash" in parts:
@@ -210,12 +263,19 @@ def main(argv=None) -> int:
                                "prefill": prefill, "dflash": dflash}, indent=2))
     print(f"{args.shape}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read+write); context "
           f"{CONTEXT} tokens")
-    print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'eager/fl':>9} "
-          f"{'graph/fl':>9} {'graph tok/s':>12}")
+    base = f" {'cuBLAS ms':>9} {'cuBLAS/graph':>12}" if baseline else ""
+    print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'overlap':>9} {'floor ms':>9} "
+          f"{'eager/fl':>9} {'graph/fl':>9} {'overlap/fl':>10} {'graph tok/s':>12}{base}")
     for r in decode:
-        print(f"{r['batch']:>5} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} {r['floor_ms']:>9.3f} "
-              f"{r['eager_x_floor']:>9.1f} {r['graph_x_floor']:>9.2f} "
-              f"{r['graph_tokens_per_s']:>12.0f}")
+        base = (f" {r['cublas_ms']:>9.2f} {r['cublas_ms'] / r['graph_ms']:>12.3f}"
+                if baseline else "")
+        print(f"{r['batch']:>5} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} "
+              f"{r['overlap_ms']:>9.2f} {r['floor_ms']:>9.3f} {r['eager_x_floor']:>9.1f} "
+              f"{r['graph_x_floor']:>9.2f} {r['overlap_x_floor']:>10.2f} "
+              f"{r['graph_tokens_per_s']:>12.0f}{base}")
+    if baseline:
+        print("cuBLAS: the graphs with every projection on cuBLAS, and separate pre-norm and "
+              "SwiGLU launches")
     print(f"{'prompts':>7} {'x tokens':>9} {'seconds':>8} {'tok/s':>9}")
     for r in prefill:
         print(f"{r['prompts']:>7} {r['prompt_len']:>9} {r['seconds']:>8.3f} "

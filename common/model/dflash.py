@@ -85,8 +85,10 @@ class BiasLinear(Linear):
         super().__init__(in_features, out_features, dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        if self.bias is None:
+            return kernels.linear(x=x, weight=self.weight)
+        return F.linear(x, self.weight, self.bias)  # the bias added before the one rounding
 
 
 class DraftAttention(nn.Module):
@@ -110,8 +112,8 @@ class DraftAttention(nn.Module):
                   inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (k_norm, RoPE at ``positions``) and V, each ``[T, kv_heads, hd]``, of ``x`` [T, H]."""
         t = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim), kn)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x, kn).view(t, self.kv_heads, self.head_dim), kn)
+        v = self.v_proj(x, kn).view(t, self.kv_heads, self.head_dim)
         _, k = kn.rope(q=k, k=k, positions=positions, inv_freq=inv_freq)
         return k, v
 
@@ -121,9 +123,9 @@ class DraftAttention(nn.Module):
                 inv_freq: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         b = t // num_blocks
-        q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim), kn)
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim), kn)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q = self.q_norm(self.q_proj(x, kn).view(t, self.heads, self.head_dim), kn)
+        k = self.k_norm(self.k_proj(x, kn).view(t, self.kv_heads, self.head_dim), kn)
+        v = self.v_proj(x, kn).view(t, self.kv_heads, self.head_dim)
         q, k = kn.rope(q=q, k=k, positions=positions, inv_freq=inv_freq)
         o = kn.draft_attention(
             q=q.view(num_blocks, b, self.heads, self.head_dim),
@@ -132,7 +134,7 @@ class DraftAttention(nn.Module):
             k_cache=kv[0], v_cache=kv[1], page_table=page_table, context_lens=context_lens,
             start_positions=start_positions, scale=self.head_dim ** -0.5, causal=self.causal,
             sliding_window=self.window)
-        return self.o_proj(o.reshape(t, self.heads * self.head_dim))
+        return self.o_proj(o.reshape(t, self.heads * self.head_dim), kn)
 
 
 class DraftDecoderLayer(nn.Module):
@@ -195,7 +197,7 @@ class DFlashDraftModel(nn.Module):
         if positions.shape != (t,) or out_cache_loc.shape != (t,):
             raise ValueError(f"positions and out_cache_loc must be [{t}], got "
                              f"{tuple(positions.shape)} and {tuple(out_cache_loc.shape)}")
-        ctx = self.hidden_norm(self.fc(aux_hidden.to(self.dtype)), kn)
+        ctx = self.hidden_norm(self.fc(aux_hidden.to(self.dtype), kn), kn)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(ctx, positions, kn, self.inv_freq)
             kn.store_paged_kv(kv=pool.kv[i], loc=out_cache_loc, k=k, v=v)
@@ -244,7 +246,7 @@ class DFlashDraftModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """Target head, then the config's optional output multiplier and softcap; fp32."""
         c = self.config
-        logits = F.linear(hidden, lm_head).float()
+        logits = self.kernels.linear(x=hidden, weight=lm_head).float()
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         if c.final_logit_softcapping:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.cache.kv_pool import KVPool
@@ -56,12 +55,16 @@ class DecoderLayer(nn.Module):
         for the first layer, ``residual`` None), and the layer's output is ``out + residual``
         of what it returns."""
         kn = ctx.kernels
-        if residual is None:
-            h, residual = self.input_layernorm(x, kn), x
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual, kn)
         mixer = self.self_attn if self.is_full_attention else self.linear_attn
-        h, residual = self.post_attention_layernorm.add_forward(mixer(h, ctx), residual, kn)
+        # each norm is computed by the projection that reads it (kernels.norm_linear: at batch
+        # 1 one GEMV launch adds the residual, normalises and projects)
+        norm = self.input_layernorm
+        projected, residual = kn.norm_linear(x=x, residual=residual, norm_weight=norm.weight,
+                                             eps=norm.eps, weight=mixer.in_proj.weight())
+        h = mixer.mix(projected, ctx)
+        if isinstance(self.mlp, DenseMLP):
+            return self.mlp.normed_forward(h, residual, self.post_attention_layernorm, kn)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual, kn)
         return self.mlp(h, kn), residual
 
 
@@ -184,7 +187,7 @@ class HybridForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and head for already-selected hidden states ``[M, H]`` -> fp32 ``[M, V]``."""
         hidden = self.model.norm(hidden, self.kernels)
-        return F.linear(hidden, self.get_output_weight()).float()
+        return self.kernels.linear(x=hidden, weight=self.get_output_weight()).float()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, kv_pool: KVPool | None,

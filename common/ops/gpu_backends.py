@@ -16,7 +16,11 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
 Both GPU sets also use our Triton RMSNorm / gated RMSNorm, GDN gates and RoPE: one launch per
 call where the reference's elementwise torch code launches 6-10 kernels; likewise the fused
 residual add + RMSNorm, the SwiGLU activation, the paged K/V store, the attention layer's q/k
-norms + RoPE + K/V store (one launch) and its sigmoid output gate. The sparse MoE op is
+norms + RoPE + K/V store (one launch) and its sigmoid output gate; and our Triton GEMV for
+projections of one row (and of 5-16 rows for wide weights), where it read weights faster than
+cuBLAS (docs/kernels.md), cuBLAS for the rest; at one row the GEMV after a decoder layer's
+pre-norm also adds the residual and normalises (its prologue), and the MLP's gate/up GEMV applies
+the SwiGLU activation in its epilogue. The sparse MoE op is
 plain torch that reads no value on the host for up to 64 tokens (CUDA graphs replay it). Ops
 with no GPU backend (l2norm, rope_inv_freq, MLP) are plain torch, which runs on the GPU.
 """
@@ -48,6 +52,9 @@ _GPU = {
     "qk_norm_rope_store": "triton",
     "sigmoid_gate_mul": "triton",
     "sparse_moe": "capturable",
+    "linear": "triton",
+    "linear_swiglu": "triton",
+    "norm_linear": "triton",
 }
 
 BACKEND_SETS: dict[str, dict[str, str]] = {
