@@ -138,26 +138,11 @@ def kernels_of(model, kernels):
 
 
 def cublas_kernels(model):
-    """The model's kernels with every projection on cuBLAS, and the pre-norms and the SwiGLU
-    activation as launches of their own (Triton): the GPU kernel set as it was before our
-    GEMV, for a same-run ratio."""
+    """The model's kernels with every projection on cuBLAS: the GPU kernel set as it was before
+    our GEMV, for a same-run ratio."""
     from common.ops.linear.reference import linear
-    from common.ops.mlp.triton import silu_and_mul
 
-    kn = model.kernels
-
-    def linear_swiglu(*, x, weight):
-        return silu_and_mul(x=linear(x=x, weight=weight))
-
-    def norm_linear(*, x, residual, norm_weight, eps, weight, swiglu=False):
-        if residual is None:
-            normed, summed = kn.rms_norm(x=x, weight=norm_weight, eps=eps), x
-        else:
-            normed, summed = kn.add_rms_norm(x=x, residual=residual, weight=norm_weight, eps=eps)
-        return (linear_swiglu if swiglu else linear)(x=normed, weight=weight), summed
-
-    return dataclasses.replace(kn, linear=linear, linear_swiglu=linear_swiglu,
-                               norm_linear=norm_linear)
+    return dataclasses.replace(model.kernels, linear=linear)
 
 
 def bench_decode(model, bandwidth, batches, cublas=False) -> list[dict]:
@@ -274,8 +259,7 @@ def main(argv=None) -> int:
               f"{r['graph_x_floor']:>9.2f} {r['overlap_x_floor']:>10.2f} "
               f"{r['graph_tokens_per_s']:>12.0f}{base}")
     if baseline:
-        print("cuBLAS: the graphs with every projection on cuBLAS, and separate pre-norm and "
-              "SwiGLU launches")
+        print("cuBLAS: the same graphs with every projection on cuBLAS")
     print(f"{'prompts':>7} {'x tokens':>9} {'seconds':>8} {'tok/s':>9}")
     for r in prefill:
         print(f"{r['prompts']:>7} {r['prompt_len']:>9} {r['seconds']:>8.3f} "

@@ -4,10 +4,7 @@ For every dense weight shape of the chosen models and every row count M, times c
 Triton kernel with the tile ``config_for`` picks, and (``--sweep``) the best of a tile sweep. Each
 call reads a different copy of the weight (copies enough to overflow the 50 MB L2), and
 ``REPEATS`` calls are captured in one CUDA graph, so the time is the kernel's, not the host's.
-The gate/up rows at M = 1 also time the SwiGLU activation: a separate launch after cuBLAS
-against the fused GEMV epilogue; the GDN input and gate/up rows at M = 1 also time the residual
-add + RMSNorm before them: a launch of its own, or the GEMV's prologue. The last lines add up one batch-1 decode step's projections
-both ways.
+The last lines add up one batch-1 decode step's projections both ways.
 
     python -m benchmarks.linear --rows 1,2,4,8,16 --sweep --out out/linear.json
 """
@@ -26,9 +23,6 @@ import torch.nn.functional as F
 from benchmarks.shapes import shape_config
 from common.ops.linear.triton import GemvConfig, config_for
 from common.ops.linear.triton import linear as triton_linear
-from common.ops.linear.triton import linear_swiglu, norm_linear
-from common.ops.norm.triton import add_rms_norm
-from common.ops.mlp.triton import silu_and_mul
 
 REPEATS = 40
 _MIN_BYTES = 256 << 20  # weight copies per case: together well past the L2
@@ -105,27 +99,6 @@ def measure(name: str, n: int, k: int, rows: int, sweep: bool) -> dict:
     row = {"shape": name, "n": n, "k": k, "rows": rows, "cublas_us": cublas, "triton_us": ours,
            "config": vars(cfg), "rel_err": err,
            "cublas_gbps": nbytes / cublas / 1e3, "triton_gbps": nbytes / ours / 1e3}
-    if name.endswith("gate_up") and rows == 1:
-        # the MLP's activation: a separate launch after cuBLAS, or the GEMV's epilogue
-        row["cublas_silu_us"] = time_calls(lambda a, w: silu_and_mul(x=F.linear(a, w)), weights, x)
-        row["fused_swiglu_us"] = time_calls(lambda a, w: linear_swiglu(x=a, weight=w), weights, x)
-    if name in ("gdn.in_proj", "mlp.gate_up") and rows == 1:
-        # the pre-norm: its own launch before cuBLAS, or the GEMV's prologue
-        res, nw = torch.randn_like(x), torch.randn(k, device="cuda", dtype=torch.bfloat16)
-        swiglu = name == "mlp.gate_up"
-        then = linear_swiglu if swiglu else triton_linear
-
-        def separate(a, w):
-            normed, _ = add_rms_norm(x=a, residual=res, weight=nw, eps=1e-6)
-            return (silu_and_mul(x=F.linear(normed, w)) if swiglu else F.linear(normed, w))
-
-        row["norm_cublas_us"] = time_calls(separate, weights, x)
-        row["norm_fused_us"] = time_calls(
-            lambda a, w: norm_linear(x=a, residual=res, norm_weight=nw, eps=1e-6, weight=w,
-                                     swiglu=swiglu), weights, x)
-        row["norm_then_triton_us"] = time_calls(
-            lambda a, w: then(x=add_rms_norm(x=a, residual=res, weight=nw, eps=1e-6)[0],
-                              weight=w), weights, x)
     if sweep:
         best = (ours, cfg)
         for c in sweep_configs(rows):
@@ -167,15 +140,6 @@ def main(argv=None) -> int:
         print(f"{r['model']:16} {r['shape']:15} {r['rows']:3d} {r['cublas_us']:10.1f} "
               f"{r['cublas_gbps']:6.0f} {r['triton_us']:10.1f} {r['triton_gbps']:6.0f} "
               f"{r['cublas_us'] / r['triton_us']:6.2f} {best}")
-    for r in results:
-        if "fused_swiglu_us" in r:
-            print(f"{r['model']} {r['shape']} M=1 with SwiGLU: cuBLAS + activation "
-                  f"{r['cublas_silu_us']:.1f} us, fused GEMV {r['fused_swiglu_us']:.1f} us")
-    for r in results:
-        if "norm_fused_us" in r:
-            print(f"{r['model']} {r['shape']} M=1 after add+RMSNorm: norm + cuBLAS"
-                  f"{' + SwiGLU' if r['shape'] == 'mlp.gate_up' else ''} {r['norm_cublas_us']:.1f} us, "
-                  f"norm + Triton {r['norm_then_triton_us']:.1f} us, fused {r['norm_fused_us']:.1f} us")
     for model, (cb, tr, nbytes) in step.items():
         print(f"{model}: batch-1 step projections cuBLAS {cb / 1e3:.3f} ms, Triton "
               f"{tr / 1e3:.3f} ms ({nbytes / 1e9:.2f} GB of weights)")

@@ -25,10 +25,9 @@ MODEL_OPS = {
     "qk_norm_rope_store": "qk_norm_rope_store",
     "sigmoid_gate_mul": "sigmoid_gate_mul",
     "draft_attention": "draft_block_attention",
+    "silu_and_mul": "silu_and_mul",
     "sparse_moe": "sparse_moe",
     "linear": "linear",
-    "linear_swiglu": "linear_swiglu",
-    "norm_linear": "norm_linear",
 }
 
 
@@ -52,10 +51,9 @@ class Kernels:
     qk_norm_rope_store: Callable
     sigmoid_gate_mul: Callable
     draft_attention: Callable
+    silu_and_mul: Callable
     sparse_moe: Callable
     linear: Callable
-    linear_swiglu: Callable
-    norm_linear: Callable
     backends: tuple[tuple[str, str], ...] = ()
 
     @classmethod

@@ -113,20 +113,11 @@ class FusedProjection:
 
     def __call__(self, x: torch.Tensor, kernels: Kernels) -> tuple[torch.Tensor, ...]:
         """The Linears' outputs, in order (column views of one GEMM's output)."""
-        return self.split(kernels.linear(x=x, weight=self.weight()))
-
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The Linears' outputs of a product with :meth:`weight` computed elsewhere (a GEMV that
-        also applied the pre-norm)."""
-        return torch.split(y, self.sizes, dim=-1)
+        return torch.split(kernels.linear(x=x, weight=self.weight()), self.sizes, dim=-1)
 
 
 class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet token mixer; its cache is one GDN state slot per request.
-
-    ``forward(x)`` is ``mix(in_proj's product with x)``; a decoder layer calls ``mix`` itself
-    when it computes that product together with its pre-norm.
-    """
+    """Gated DeltaNet token mixer; its cache is one GDN state slot per request."""
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -150,17 +141,13 @@ class GatedDeltaNet(nn.Module):
                                        self.in_proj_a)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.mix(ctx.kernels.linear(x=x, weight=self.in_proj.weight()), ctx)
-
-    def mix(self, projected: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The mixer's output [T, H] from the input projection [T, conv_dim + value_dim + 2 HV]."""
         kn, batch, pool = ctx.kernels, ctx.batch, ctx.state_pool
-        num_tokens = projected.shape[0]
+        num_tokens = x.shape[0]
         layer = pool.layer_index(self.layer_id)
         slots = batch.state_slots
         # mixed_qkv [T, conv_dim] (channels q|k|v), z [T, value_dim], b and a [T, HV]: column
         # views of one output, so their rows are strided (every kernel here accepts that)
-        mixed_qkv, z, b, a = self.in_proj.split(projected)
+        mixed_qkv, z, b, a = self.in_proj(x, kn)
         z = z.view(num_tokens, self.num_v_heads, self.head_v_dim)
         if batch.mode == ForwardMode.DECODE:
             o = self._decode_step(kn, mixed_qkv, a, b, conv_pool=pool.conv[layer],
@@ -181,7 +168,7 @@ class GatedDeltaNet(nn.Module):
             pool.ssm[layer, slots] = final_state.to(pool.ssm.dtype)
 
         # [T, HV, V] as they are: z's rows are strided, and flattening it would copy it
-        o = kn.gated_rms_norm(x=o.to(projected.dtype), gate=z, weight=self.norm.weight,
+        o = kn.gated_rms_norm(x=o.to(x.dtype), gate=z, weight=self.norm.weight,
                               eps=self.norm.eps)
         return self.out_proj(o.reshape(num_tokens, self.value_dim), kn)
 
@@ -233,10 +220,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    """Full attention with q/k norm, partial NeoX RoPE, GQA and a sigmoid output gate.
-
-    ``forward(x)`` is ``mix(in_proj's product with x)``, as for :class:`GatedDeltaNet`.
-    """
+    """Full attention with q/k norm, partial NeoX RoPE, GQA and a sigmoid output gate."""
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -252,16 +236,12 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, dtype)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
-        self.in_proj = FusedProjection(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_proj = FusedProjection(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.mix(ctx.kernels.linear(x=x, weight=self.in_proj.weight()), ctx)
-
-    def mix(self, projected: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The mixer's output [T, H] from the q/gate, k, v projection [T, (2 Hq + 2 Hkv) D]."""
         kn, batch = ctx.kernels, ctx.batch
-        num_tokens = projected.shape[0]
-        qg, k, v = self.in_proj.split(projected)
+        num_tokens = x.shape[0]
+        qg, k, v = self.qkv_proj(x, kn)
         qg = qg.view(num_tokens, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:]
         # q/k norms, RoPE and the K/V store in one op. VERIFY writes all k tokens too: KV past
@@ -295,17 +275,8 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = FusedProjection(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        act = kernels.linear_swiglu(x=x, weight=self.gate_up_proj.weight())  # rows: gate | up
-        return self.down_proj(act, kernels)
-
-    def normed_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                       kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward(norm(x + residual))`` and ``x + residual``, with the add and the norm done
-        by the gate/up projection (one GEMV at batch 1)."""
-        act, residual = kernels.norm_linear(x=x, residual=residual, norm_weight=norm.weight,
-                                            eps=norm.eps, weight=self.gate_up_proj.weight(),
-                                            swiglu=True)
-        return self.down_proj(act, kernels), residual
+        gate_up = kernels.linear(x=x, weight=self.gate_up_proj.weight())  # [T, 2I]: gate | up
+        return self.down_proj(kernels.silu_and_mul(x=gate_up), kernels)
 
 
 class PackedExperts(nn.Module):

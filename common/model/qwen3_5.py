@@ -55,16 +55,12 @@ class DecoderLayer(nn.Module):
         for the first layer, ``residual`` None), and the layer's output is ``out + residual``
         of what it returns."""
         kn = ctx.kernels
+        if residual is None:
+            h, residual = self.input_layernorm(x, kn), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual, kn)
         mixer = self.self_attn if self.is_full_attention else self.linear_attn
-        # each norm is computed by the projection that reads it (kernels.norm_linear: at batch
-        # 1 one GEMV launch adds the residual, normalises and projects)
-        norm = self.input_layernorm
-        projected, residual = kn.norm_linear(x=x, residual=residual, norm_weight=norm.weight,
-                                             eps=norm.eps, weight=mixer.in_proj.weight())
-        h = mixer.mix(projected, ctx)
-        if isinstance(self.mlp, DenseMLP):
-            return self.mlp.normed_forward(h, residual, self.post_attention_layernorm, kn)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual, kn)
+        h, residual = self.post_attention_layernorm.add_forward(mixer(h, ctx), residual, kn)
         return self.mlp(h, kn), residual
 
 

@@ -18,9 +18,7 @@ call where the reference's elementwise torch code launches 6-10 kernels; likewis
 residual add + RMSNorm, the SwiGLU activation, the paged K/V store, the attention layer's q/k
 norms + RoPE + K/V store (one launch) and its sigmoid output gate; and our Triton GEMV for
 projections of one row (and of 5-16 rows for wide weights), where it read weights faster than
-cuBLAS (docs/kernels.md), cuBLAS for the rest; at one row the GEMV after a decoder layer's
-pre-norm also adds the residual and normalises (its prologue), and the MLP's gate/up GEMV applies
-the SwiGLU activation in its epilogue. The sparse MoE op is
+cuBLAS (docs/kernels.md), cuBLAS for the rest. The sparse MoE op is
 plain torch that reads no value on the host for up to 64 tokens (CUDA graphs replay it). Ops
 with no GPU backend (l2norm, rope_inv_freq, MLP) are plain torch, which runs on the GPU.
 """
@@ -53,8 +51,6 @@ _GPU = {
     "sigmoid_gate_mul": "triton",
     "sparse_moe": "capturable",
     "linear": "triton",
-    "linear_swiglu": "triton",
-    "norm_linear": "triton",
 }
 
 BACKEND_SETS: dict[str, dict[str, str]] = {

@@ -40,8 +40,6 @@ REFERENCE_OPS: dict[str, str] = {
     "silu_and_mul": "common.ops.mlp.reference",
     "sparse_moe": "common.ops.moe.reference",
     "linear": "common.ops.linear.reference",
-    "linear_swiglu": "common.ops.linear.reference",
-    "norm_linear": "common.ops.linear.reference",
 }
 
 # op name -> GPU backend name -> module holding it (attribute named like the op). Importing the
@@ -74,8 +72,6 @@ GPU_OPS: dict[str, dict[str, str]] = {
     "qk_norm_rope_store": {"triton": "common.ops.attention.qk_prep_triton"},
     "sigmoid_gate_mul": {"triton": "common.ops.attention.output_gate_triton"},
     "linear": {"triton": "common.ops.linear.triton"},
-    "linear_swiglu": {"triton": "common.ops.linear.triton"},
-    "norm_linear": {"triton": "common.ops.linear.triton"},
 }
 
 Factory = Callable[[], Callable[..., Any]]

@@ -5,10 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.ops.mlp.reference import silu_and_mul
-from common.ops.norm.reference import add_rms_norm, rms_norm
-
-__all__ = ["linear", "linear_swiglu", "norm_linear"]
+__all__ = ["linear"]
 
 
 def linear(*, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -26,39 +23,3 @@ def linear(*, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                          f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
     return F.linear(x, weight)
 
-
-def linear_swiglu(*, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The gate/up projection and its SwiGLU activation: ``silu(x @ Wg.T) * (x @ Wu.T)`` with
-    ``weight = [Wg; Wu]`` ([2I, K], gate rows first), rounded as the two steps round.
-
-    Returns:
-        [..., I], a new tensor in x.dtype.
-    """
-    if weight.dim() != 2 or weight.shape[0] % 2:
-        raise ValueError(f"weight must be [2I, K] (gate rows, then up rows), got "
-                         f"{tuple(weight.shape)}")
-    return silu_and_mul(x=linear(x=x, weight=weight))
-
-
-def norm_linear(*, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                eps: float, weight: torch.Tensor,
-                swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's pre-norm and the projection that reads it: ``h = x + residual`` (``x``
-    when residual is None), the zero-centred RMSNorm of ``h``, then :func:`linear` (or, with
-    ``swiglu``, :func:`linear_swiglu`) of the normalised rows. Rounded as the steps round.
-
-    Args:
-        x, residual: [..., K] in one dtype; residual None for the first layer.
-        norm_weight: [K], the norm's ``w`` of a ``1 + w`` scale.
-        weight: [N, K] (or [2I, K] with swiglu).
-
-    Returns:
-        (y [..., N] (or [..., I]), h): the projection and the new residual stream.
-    """
-    if residual is None:
-        normed, summed = rms_norm(x=x, weight=norm_weight, eps=eps, zero_centered=True), x
-    else:
-        normed, summed = add_rms_norm(x=x, residual=residual, weight=norm_weight, eps=eps,
-                                      zero_centered=True)
-    project = linear_swiglu if swiglu else linear
-    return project(x=normed, weight=weight), summed

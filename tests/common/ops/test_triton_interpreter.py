@@ -272,38 +272,3 @@ def test_linear(monkeypatch, rows):
     for tile in (GemvConfig(block_n=2, block_k=32), GemvConfig(block_n=16, block_k=64)):
         torch.testing.assert_close(triton_linear(x=x, weight=w, config=tile), want, **TOL)
 
-
-@pytest.mark.parametrize("rows", [1, 3])
-def test_linear_swiglu(monkeypatch, rows):
-    """The GEMV with the activation in its epilogue (forced tiles for more than one row)."""
-    from common.ops.linear.triton import GemvConfig
-
-    g = _gen(40 + rows)
-    x, w = rand(g, rows, 120)[:, 7:107], rand(g, 2 * 37, 100)
-    want = reference_op("common.ops.linear.reference", "linear_swiglu")(x=x, weight=w)
-    fused = backend(monkeypatch, "common.ops.linear.triton", "linear_swiglu",
-                    "common.ops.linear.reference")
-    for tile in (GemvConfig(block_n=2, block_k=32), GemvConfig(block_n=16, block_k=64)):
-        torch.testing.assert_close(fused(x=x, weight=w, config=tile), want, **TOL)
-    if rows == 1:
-        torch.testing.assert_close(fused(x=x, weight=w), want, **TOL)
-
-
-@pytest.mark.parametrize("rows,with_residual,swiglu", [(1, True, False), (1, False, True),
-                                                       (3, True, True)])
-def test_norm_linear(monkeypatch, rows, with_residual, swiglu):
-    """The GEMV's pre-norm prologue: residual add, mean square, normalised chunks."""
-    from common.ops.linear.triton import GemvConfig
-
-    g = _gen(50 + rows)
-    args = dict(x=rand(g, rows, 100, scale=3.0),
-                residual=rand(g, rows, 100) if with_residual else None,
-                norm_weight=rand(g, 100, scale=0.2), eps=1e-6, weight=rand(g, 74, 100),
-                swiglu=swiglu)
-    want = reference_op("common.ops.linear.reference", "norm_linear")(**args)
-    fused = backend(monkeypatch, "common.ops.linear.triton", "norm_linear",
-                    "common.ops.linear.reference")
-    for tile in (GemvConfig(block_n=2, block_k=32), GemvConfig(block_n=16, block_k=64)):
-        got = fused(**args, config=tile)
-        for g_, w_ in zip(got, want):
-            torch.testing.assert_close(g_, w_, **TOL)
