@@ -2,8 +2,9 @@
 for a Qwen3.5-shaped model with random weights (4B by default; ``--shape qwen3.5-35b-a3b`` for
 the MoE one, without DFLASH: the z-lab-style draft geometry is the 4B's). Decode steps are timed
 in one run several ways: eager; replayed from CUDA graphs; replayed with overlap scheduling (the
-host prepares step n+1 while the GPU runs step n); and, with ``--cublas-baseline``, replayed with
-every projection on cuBLAS, for a same-run ratio of what our GEMV gains.
+host prepares step n+1 while the GPU runs step n); and, with ``--baseline OP=BACKEND``, replayed
+with those ops at other backends, for a same-run ratio (``linear=reference``: cuBLAS
+projections against our GEMV; ``sparse_moe=triton`` on the MoE shape).
 
 Decode steps are compared with the floor memory bandwidth sets:
 (weight bytes read + KV bytes read + GDN state bytes read and written) / the measured copy
@@ -11,7 +12,7 @@ bandwidth. Weight bytes read: every parameter but an untied input embedding (one
 is gathered); of a MoE layer's experts, only those a batch of that size picks on average with
 uniform routing, ``E * (1 - (1 - k/E) ** batch)``.
 
-    python -m benchmarks.decode [--shape qwen3.5-4b] [--kernels gpu] [--cublas-baseline]
+    python -m benchmarks.decode [--shape qwen3.5-4b] [--kernels gpu] [--baseline linear=reference]
                                 [--out out/decode.json]
 """
 
@@ -137,21 +138,33 @@ def kernels_of(model, kernels):
         model.kernels = kept
 
 
-def cublas_kernels(model):
-    """The model's kernels with every projection on cuBLAS: the GPU kernel set as it was before
-    our GEMV, for a same-run ratio."""
-    from common.ops.linear.reference import linear
+def baseline_kernels(model, spec: str):
+    """The model's kernels with some ops at other backends, from ``op=backend[,op=backend]``
+    (registry names; e.g. ``linear=reference``: every projection on cuBLAS)."""
+    from common.model.kernels import MODEL_OPS
+    from common.ops.registry import default_registry
 
-    return dataclasses.replace(model.kernels, linear=linear)
+    fields = {op: field for field, op in MODEL_OPS.items()}
+    registry, chosen = default_registry(), dict(model.kernels.backends)
+    replace = {}
+    for item in spec.split(","):
+        op, _, backend = item.partition("=")
+        if op not in fields or not backend:
+            raise ValueError(f"--baseline: {item!r} is not OP=BACKEND for a model op "
+                             f"({', '.join(sorted(fields))})")
+        replace[fields[op]] = registry.get(op, backend)
+        chosen[op] = backend
+    return dataclasses.replace(model.kernels, **replace, backends=tuple(chosen.items()))
 
 
-def bench_decode(model, bandwidth, batches, cublas=False) -> list[dict]:
+def bench_decode(model, bandwidth, batches, baseline: str = "") -> list[dict]:
     """Engine decode steps (schedule, forward, sample) per batch size: eager, from graphs, from
-    graphs with overlap scheduling, and (``cublas``) from graphs with cuBLAS projections."""
+    graphs with overlap scheduling, and (``baseline``, see :func:`baseline_kernels`) from graphs
+    with some ops at other backends."""
     modes = {"eager": (model.kernels, False, False), "graph": (model.kernels, True, False),
              "overlap": (model.kernels, True, True)}
-    if cublas:
-        modes["cublas"] = (cublas_kernels(model), True, False)
+    if baseline:
+        modes["baseline"] = (baseline_kernels(model, baseline), True, False)
     engines = {}
     for mode, (kernels, graphs, overlap) in modes.items():
         with kernels_of(model, kernels):
@@ -224,15 +237,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/decode.json")
     p.add_argument("--parts", default="decode,prefill,dflash",
                    help="comma-separated parts to run: decode, prefill, dflash")
-    p.add_argument("--cublas-baseline", action="store_true",
-                   help="also time decode graphs with cuBLAS projections (the kernel set before "
-                        "our GEMV), for a same-run ratio")
+    p.add_argument("--baseline", default="", metavar="OP=BACKEND[,...]",
+                   help="also time decode graphs with these ops at these backends, for a "
+                        "same-run ratio (linear=reference: cuBLAS projections)")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     parts = set(args.parts.split(","))
     model, draft = build(args.kernels, with_draft="dflash" in parts, shape=args.shape)
     bandwidth = copy_bandwidth()
-    baseline = args.cublas_baseline
+    baseline = args.baseline
     decode = bench_decode(model, bandwidth, batches, baseline) if "decode" in parts else []
     prefill = bench_prefill(model, [1, 4, 16, 32]) if "prefill" in parts else []
     dflash = []
@@ -242,24 +255,24 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "kernels": args.kernels,
-                               "shape": args.shape,
+                               "shape": args.shape, "baseline": baseline,
                                "device": torch.cuda.get_device_name(),
                                "copy_GBps": bandwidth / 1e9, "decode": decode,
                                "prefill": prefill, "dflash": dflash}, indent=2))
     print(f"{args.shape}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read+write); context "
           f"{CONTEXT} tokens")
-    base = f" {'cuBLAS ms':>9} {'cuBLAS/graph':>12}" if baseline else ""
+    base = f" {'base ms':>9} {'base/graph':>10}" if baseline else ""
     print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'overlap':>9} {'floor ms':>9} "
           f"{'eager/fl':>9} {'graph/fl':>9} {'overlap/fl':>10} {'graph tok/s':>12}{base}")
     for r in decode:
-        base = (f" {r['cublas_ms']:>9.2f} {r['cublas_ms'] / r['graph_ms']:>12.3f}"
+        base = (f" {r['baseline_ms']:>9.2f} {r['baseline_ms'] / r['graph_ms']:>10.3f}"
                 if baseline else "")
         print(f"{r['batch']:>5} {r['eager_ms']:>9.2f} {r['graph_ms']:>9.2f} "
               f"{r['overlap_ms']:>9.2f} {r['floor_ms']:>9.3f} {r['eager_x_floor']:>9.1f} "
               f"{r['graph_x_floor']:>9.2f} {r['overlap_x_floor']:>10.2f} "
               f"{r['graph_tokens_per_s']:>12.0f}{base}")
     if baseline:
-        print("cuBLAS: the same graphs with every projection on cuBLAS")
+        print(f"base: the same graphs with {baseline}")
     print(f"{'prompts':>7} {'x tokens':>9} {'seconds':>8} {'tok/s':>9}")
     for r in prefill:
         print(f"{r['prompts']:>7} {r['prompt_len']:>9} {r['seconds']:>8.3f} "

@@ -129,15 +129,15 @@ class LLMEngine:
 
     def _graph_token_cap(self) -> int | None:
         """Most tokens one captured forward may hold, as the model's ops allow (None: no limit).
-        Only MoE models have one: the capturable MoE op reads no host value up to its
-        ``MAX_TOKENS``; other MoE backends have none (0)."""
+        Only MoE models have one: the capturable and Triton MoE ops read no host value up to
+        their ``MAX_TOKENS``; the reference has none (0)."""
         cfg = self.model.config
         if not any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
             return None
         from common.ops.moe import capturable
 
         backend = dict(self.model.kernels.backends).get("sparse_moe")
-        return capturable.MAX_TOKENS if backend == "capturable" else 0
+        return capturable.MAX_TOKENS if backend in ("capturable", "triton") else 0
 
     def _decode_graphs(self, token_cap: int | None) -> GraphRunner:
         running = self.config.scheduler.max_running_requests

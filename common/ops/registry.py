@@ -68,7 +68,7 @@ GPU_OPS: dict[str, dict[str, str]] = {
     "apply_rope": {"triton": "common.ops.rope.triton"},
     "silu_and_mul": {"triton": "common.ops.mlp.triton"},
     "store_paged_kv": {"triton": "common.ops.attention.kv_store_triton"},
-    "sparse_moe": {"capturable": "common.ops.moe.capturable"},
+    "sparse_moe": {"capturable": "common.ops.moe.capturable", "triton": "common.ops.moe.triton"},
     "qk_norm_rope_store": {"triton": "common.ops.attention.qk_prep_triton"},
     "sigmoid_gate_mul": {"triton": "common.ops.attention.output_gate_triton"},
     "linear": {"triton": "common.ops.linear.triton"},

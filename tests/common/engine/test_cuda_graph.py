@@ -142,13 +142,13 @@ def test_padded_verify_keeps_dflash_lossless(model):
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
-    """One MoE checkpoint with the reference MoE op and with the capturable one."""
+    """One MoE checkpoint with the reference MoE op and with each capturable one."""
     from common.model.kernels import Kernels
     from tests.common.model.checkpoints import make_checkpoint
 
     path = make_checkpoint("qwen3_5_moe_text", tmp_path_factory.mktemp("moe") / "m", seed=4)
     return {backend: load_model(str(path), kernels=Kernels.select({"sparse_moe": backend}))
-            for backend in ("reference", "capturable")}
+            for backend in ("reference", "capturable", "triton")}
 
 
 def test_moe_graphs_need_the_capturable_op_and_stay_within_its_tokens(model, moe_models):
@@ -157,15 +157,17 @@ def test_moe_graphs_need_the_capturable_op_and_stay_within_its_tokens(model, moe
     config = EngineConfig(cache=CACHE, cuda_graph=CudaGraphConfig(capture=False),
                           scheduler=SchedulerConfig(max_running_requests=MAX_TOKENS + 36))
     assert LLMEngine(moe_models["reference"], config)._graph_token_cap() == 0
+    assert LLMEngine(moe_models["triton"], config)._graph_token_cap() == MAX_TOKENS
     engine = LLMEngine(moe_models["capturable"], config)
     assert engine._graph_token_cap() == MAX_TOKENS
     assert engine.runner.graphs.batch_sizes[-1] == MAX_TOKENS
     assert LLMEngine(model, config)._graph_token_cap() is None  # no MoE layer, no cap
 
 
-def test_moe_padded_decode_gives_the_eager_tokens(moe_models):
-    """The capturable MoE op through padded graph batches (uncaptured) gives the reference
-    op's eager tokens."""
+@pytest.mark.parametrize("backend", ["capturable", "triton"])
+def test_moe_padded_decode_gives_the_eager_tokens(moe_models, backend):
+    """Each capturable MoE op (the Triton one in Triton's interpreter here) through padded
+    graph batches (uncaptured) gives the reference op's eager tokens."""
     prompts = _prompts(5)
     params = [SamplingParams(temperature=0.0, max_new_tokens=4 + i, ignore_eos=True)
               for i in range(len(prompts))]
@@ -173,7 +175,7 @@ def test_moe_padded_decode_gives_the_eager_tokens(moe_models):
         cache=CACHE, cuda_graph=CudaGraphConfig(enabled=False),
         scheduler=SchedulerConfig(max_running_requests=11)))
     want = [r.output_ids for r in eager.generate(prompts, params)]
-    engine = _engine(moe_models["capturable"], CudaGraphConfig(capture=False))
+    engine = _engine(moe_models[backend], CudaGraphConfig(capture=False))
     free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
     assert [r.output_ids for r in engine.generate(prompts, params)] == want
     assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free

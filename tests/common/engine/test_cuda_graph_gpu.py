@@ -22,13 +22,15 @@ def models():
     return build("gpu", with_draft=True)
 
 
-def _engine(model, draft, graphs: bool, capture: bool = True) -> LLMEngine:
+def _engine(model, draft, graphs: bool, capture: bool = True,
+            overlap: bool = False) -> LLMEngine:
     """graphs=False: the plain eager engine; capture=False: the graph path's buffers, padding
     and kernels, run eagerly (what a replay must reproduce exactly)."""
     config = EngineConfig(cache=CacheConfig(page_size=16, num_pages=700, num_slots=12),
                           scheduler=SchedulerConfig(max_running_requests=10), device="cuda",
                           cuda_graph=CudaGraphConfig(enabled=graphs, max_batch_size=16,
-                                                     capture=capture))
+                                                     capture=capture),
+                          overlap_schedule=overlap)
     engine = LLMEngine(model, config, draft=draft)
     if graphs:
         engine.warmup()
@@ -55,6 +57,24 @@ def test_decode_replay_gives_the_plain_eager_tokens(models):
     want = _engine(model, None, graphs=False).generate(_prompts(), params)
     got = _engine(model, None, graphs=True).generate(_prompts(), params)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
+
+
+def test_overlap_scheduling_gives_the_tokens_of_steps_in_turn(models):
+    """Replayed steps launched while the host prepares the next (the relay feeding each step
+    the previous step's tokens on the device), greedy and seeded sampled requests, requests
+    finishing at different steps: the tokens of the same graphs run one step at a time, and
+    the pools back to full."""
+    model, _ = models
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=i,
+                             max_new_tokens=9 + 4 * i, ignore_eos=True)
+              for i in range(len(LENGTHS))]
+    want = _engine(model, None, graphs=True).generate(_prompts(), params)
+    engine = _engine(model, None, graphs=True, overlap=True)
+    assert engine.overlap is not None
+    free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
+    got = engine.generate(_prompts(), params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["decode", "dflash"])
@@ -114,11 +134,15 @@ def moe_model():
     return model.eval()
 
 
-def test_moe_replay_gives_eager_tokens(moe_model):
-    """The capturable MoE op replays from graphs and gives the tokens of the same kernels run
-    eagerly: one request (the gathered experts path) and 12 (3 * 12 * 8 > 256 experts: the
-    dense path)."""
-    assert dict(moe_model.kernels.backends)["sparse_moe"] == "capturable"
+@pytest.mark.parametrize("backend", ["capturable", "triton"])
+def test_moe_replay_gives_eager_tokens(moe_model, backend):
+    """Each capturable MoE backend replays from graphs and gives the tokens of the same kernels
+    run eagerly: one request (capturable: the gathered experts path; Triton: its kernels) and
+    12 (capturable: the dense path, 3 * 12 * 8 > 256 experts; Triton: its kernels, 96 pairs)."""
+    from common.model.kernels import Kernels
+    from common.ops.gpu_backends import backends_for
+
+    moe_model.kernels = Kernels.select({**backends_for("gpu"), "sparse_moe": backend})
     gen = torch.Generator().manual_seed(5)
     for count in (1, 12):
         prompts = [torch.randint(0, 240000, (5 + 7 * i,), generator=gen).tolist()

@@ -1,0 +1,200 @@
+"""Triton sparse MoE for decode sizes: the chosen experts' weights read in place, by id.
+
+Same contract as :func:`common.ops.moe.reference.sparse_moe`, and like the ``capturable``
+backend it reads nothing on the host, so CUDA graphs replay it. Where ``capturable`` gathers
+each chosen expert's weights into a copy before its batched GEMVs (reading them three times
+over, and about 25 launches a layer), three kernels do the routed part here:
+
+1. ``_route_kernel``: softmax over the router logits, top-k by repeated argmax, optional
+   renormalisation, one program per token (the logits come from one GEMV before it);
+2. ``_gate_up_kernel``: per token-expert pair, the expert's gate and up rows against the token,
+   with the SwiGLU activation in the epilogue -> act [P, I];
+3. ``_down_kernel``: per token, each chosen expert's down rows against its activation, weighted
+   and summed over the k experts in fp32 -> [T, H].
+
+Every pair reads its expert's weights once, so this serves while pairs are few against the
+experts (``T * k <= E``, decode batches up to 32 for Qwen3.5-35B-A3B's 8 of 256); more tokens
+go to the ``capturable`` backend, whose dense path reads every expert once whatever T. The
+shared expert stays the reference's torch code.
+
+Roundings follow the reference: logits rounded to x.dtype, softmax and top-k in fp32, weights
+rounded to x.dtype; each expert projection rounded to x.dtype (fp32 accumulation), silu and the
+product rounded as ``silu_and_mul``; the weighted sum in fp32, here in top-k order (the
+reference sums in expert-id order, so the last fp32 bit may differ), then the shared expert
+added in fp32 and one final rounding. Ties in top-k pick the lower expert id, as torch.topk does
+on the GPU for distinct values; exactly equal probabilities may order differently.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from common.ops.linear.reference import linear
+from common.ops.moe import capturable, reference
+from common.ops.triton_math import INTERPRET as _INTERPRET, exp as _exp
+
+__all__ = ["sparse_moe", "MAX_TOKENS"]
+
+MAX_TOKENS = capturable.MAX_TOKENS
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_BLOCK_N = 4  # weight rows per program: thousands of programs even at one token
+_BLOCK_K = 512
+
+
+@triton.jit
+def _route_kernel(logits, stride_l, ids, weights, E, TOP_K: tl.constexpr,
+                  BLOCK_TOP: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    ok = cols < E
+    z = tl.load(logits + t * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    p = _exp(z - tl.max(z, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(ok, p, -1.0)
+    ks = tl.arange(0, BLOCK_TOP)
+    top_w = tl.zeros((BLOCK_TOP,), tl.float32)
+    top_i = tl.zeros((BLOCK_TOP,), tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        at = tl.min(tl.where(p == best, cols, BLOCK_E), axis=0)  # the lowest id among ties
+        top_w = tl.where(ks == j, best, top_w)
+        top_i = tl.where(ks == j, at.to(tl.int64), top_i)
+        p = tl.where(cols == at, -1.0, p)
+    if RENORM:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    tl.store(ids + t * TOP_K + ks, top_i, mask=ks < TOP_K)
+    tl.store(weights + t * TOP_K + ks, top_w.to(weights.dtype.element_ty), mask=ks < TOP_K)
+
+
+@triton.jit
+def _gate_up_kernel(x, stride_x, ids, w, stride_we, stride_wn, act, I, H,
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr):
+    pair = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < I
+    expert = tl.load(ids + pair)
+    x_row = x + (pair // TOP_K) * stride_x
+    gate = w + expert * stride_we + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * stride_wn
+    up = gate + I * stride_wn
+    rk = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + rk
+        if EVEN_K:
+            xk = tl.load(x_row + ks).to(tl.float32)[None, :]
+            g = tl.load(gate + ks[None, :])
+            u = tl.load(up + ks[None, :])
+        else:
+            k_ok = ks < H
+            xk = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            g = tl.load(gate + ks[None, :], mask=k_ok[None, :], other=0.0)
+            u = tl.load(up + ks[None, :], mask=k_ok[None, :], other=0.0)
+        acc_g += g.to(tl.float32) * xk
+        acc_u += u.to(tl.float32) * xk
+    ty = act.dtype.element_ty
+    # each projection rounded to the dtype, then silu_and_mul's roundings
+    gv = tl.sum(acc_g, axis=1).to(ty).to(tl.float32)
+    uv = tl.sum(acc_u, axis=1).to(ty).to(tl.float32)
+    s = tl.math.div_rn(gv, 1.0 + _exp(-gv)).to(ty).to(tl.float32)
+    tl.store(act + pair * I + rn, (s * uv).to(ty), mask=n_ok)
+
+
+@triton.jit
+def _down_kernel(act, ids, weights, w, stride_we, stride_wn, out, H, I,
+                 TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < H
+    rows = tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * stride_wn
+    rk = tl.arange(0, BLOCK_K)
+    ty = act.dtype.element_ty
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        down = w + tl.load(ids + pair) * stride_we + rows
+        a_row = act + pair * I
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            ks = k0 + rk
+            if EVEN_K:
+                a = tl.load(a_row + ks).to(tl.float32)[None, :]
+                d = tl.load(down + ks[None, :])
+            else:
+                k_ok = ks < I
+                a = tl.load(a_row + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                d = tl.load(down + ks[None, :], mask=k_ok[None, :], other=0.0)
+            acc += d.to(tl.float32) * a
+        y = tl.sum(acc, axis=1).to(ty).to(tl.float32)  # the expert's output in the dtype
+        total += y * tl.load(weights + pair).to(tl.float32)
+    tl.store(out + t * H + rn, total, mask=n_ok)
+
+
+def _route(x, router_weight, top_k, norm_topk_prob) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ids [T, k] (int64) and weights [T, k] in x.dtype."""
+    t, num_experts = x.shape[0], router_weight.shape[0]
+    logits = linear(x=x, weight=router_weight.to(x.dtype))  # rounded to x.dtype
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(t, top_k, dtype=x.dtype, device=x.device)
+    _route_kernel[(t,)](logits, logits.stride(0), ids, weights, num_experts, TOP_K=top_k,
+                        BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), RENORM=norm_topk_prob)
+    return ids, weights
+
+
+def _routed(x, ids, weights, gate_up, down) -> torch.Tensor:
+    """The weighted expert outputs [T, H] in fp32."""
+    t, hidden = x.shape
+    top_k = ids.shape[1]
+    inter = down.shape[2]
+    act = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
+    block_k = min(_BLOCK_K, triton.next_power_of_2(hidden))
+    _gate_up_kernel[(t * top_k, triton.cdiv(inter, _BLOCK_N))](
+        x, x.stride(0), ids, gate_up, gate_up.stride(0), gate_up.stride(1), act, inter, hidden,
+        TOP_K=top_k, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0)
+    out = torch.empty(t, hidden, dtype=torch.float32, device=x.device)
+    block_k = min(_BLOCK_K, triton.next_power_of_2(inter))
+    _down_kernel[(t, triton.cdiv(hidden, _BLOCK_N))](
+        act, ids, weights, down, down.stride(0), down.stride(1), out, hidden, inter,
+        TOP_K=top_k, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, EVEN_K=inter % block_k == 0)
+    return out
+
+
+def sparse_moe(
+    *,
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    experts_gate_up: torch.Tensor,
+    experts_down: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    shared_gate_proj: torch.Tensor | None = None,
+    shared_up_proj: torch.Tensor | None = None,
+    shared_down_proj: torch.Tensor | None = None,
+    shared_expert_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`common.ops.moe.reference.sparse_moe`; no host read. Serves
+    ``T * top_k <= E`` tokens with expert weights in x.dtype and a last dim of stride 1; other
+    calls go to the ``capturable`` backend."""
+    shared = (shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate)
+    kwargs = dict(x=x, router_weight=router_weight, experts_gate_up=experts_gate_up,
+                  experts_down=experts_down, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                  shared_gate_proj=shared_gate_proj, shared_up_proj=shared_up_proj,
+                  shared_down_proj=shared_down_proj, shared_expert_gate=shared_expert_gate)
+    t, _, num_experts, _ = reference.check_moe_args(
+        x=x, router_weight=router_weight, experts_gate_up=experts_gate_up,
+        experts_down=experts_down, top_k=top_k, shared=shared)
+    if (not (x.is_cuda or _INTERPRET) or x.dtype not in _DTYPES or t == 0
+            or t * top_k > num_experts or t > MAX_TOKENS
+            or experts_gate_up.dtype != x.dtype or experts_down.dtype != x.dtype
+            or experts_gate_up.stride(2) != 1 or experts_down.stride(2) != 1):
+        return capturable.sparse_moe(**kwargs)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ids, weights = _route(x, router_weight, top_k, norm_topk_prob)
+    out = _routed(x, ids, weights, experts_gate_up, experts_down)
+    if shared_expert_gate is not None:
+        out = out + reference.shared_expert(x, *shared).to(torch.float32)
+    return out.to(x.dtype)

@@ -1,0 +1,98 @@
+"""Triton MoE against the reference on the GPU: Qwen3.5-35B-A3B's shapes and odd ones.
+
+The expert projections round where the reference rounds; the fp32 sum over the k experts runs in
+top-k order instead of expert-id order, so bf16 outputs may differ in the last bit. The router's
+choice is compared too: same experts, same weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.ops.moe import reference
+from tests.common.compare import randn, rel_rmse
+
+pytestmark = pytest.mark.gpu
+
+
+def _triton():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from common.ops.moe import triton as moe_triton
+
+    return moe_triton
+
+
+def make(gen, tokens, experts, hidden, inter, shared, dtype) -> dict:
+    def r(*shape, scale=1.0):
+        return randn(gen, *shape, dtype=dtype) * scale
+
+    return dict(x=r(tokens, hidden), router_weight=r(experts, hidden, scale=hidden ** -0.5),
+                experts_gate_up=r(experts, 2 * inter, hidden, scale=hidden ** -0.5),
+                experts_down=r(experts, hidden, inter, scale=inter ** -0.5),
+                shared_gate_proj=r(shared, hidden, scale=hidden ** -0.5),
+                shared_up_proj=r(shared, hidden, scale=hidden ** -0.5),
+                shared_down_proj=r(hidden, shared, scale=shared ** -0.5),
+                shared_expert_gate=r(1, hidden, scale=hidden ** -0.5))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 32])
+def test_qwen35_moe_shapes_bf16(record_metric, tokens):
+    tr = _triton()
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    args = make(gen, tokens, 256, 2048, 512, 512, torch.bfloat16)
+    got = tr.sparse_moe(**args, top_k=8, norm_topk_prob=True)
+    want = reference.sparse_moe(**args, top_k=8, norm_topk_prob=True)
+    err = rel_rmse(got.double(), want.double())
+    record_metric("rel_rmse", err)
+    assert err <= 4e-3
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_odd_shapes(record_metric, renorm, dtype):
+    tr = _triton()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    args = make(gen, 5, 61, 200, 72, 36, dtype)
+    got = tr.sparse_moe(**args, top_k=7, norm_topk_prob=renorm)
+    want = reference.sparse_moe(**args, top_k=7, norm_topk_prob=renorm)
+    err = rel_rmse(got.double(), want.double())
+    record_metric(f"rel_rmse_{dtype}", err)
+    assert err <= (1e-6 if dtype == torch.float32 else 4e-3)
+
+
+def test_router_picks_the_reference_experts():
+    tr = _triton()
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = randn(gen, 17, 2048, dtype=torch.bfloat16)
+    router = randn(gen, 256, 2048, dtype=torch.bfloat16) * 2048 ** -0.5
+    ids, weights = tr._route(x, router, 8, True)
+    want_ids, want_w = reference.route(x, router, 8, True, torch.float32)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=2 ** -7, atol=1e-6)
+
+
+def test_many_tokens_go_to_the_capturable_op(monkeypatch):
+    tr = _triton()
+    from common.ops.moe import capturable
+
+    calls = []
+    real = capturable.sparse_moe
+    monkeypatch.setattr(capturable, "sparse_moe", lambda **kw: calls.append(1) or real(**kw))
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    args = make(gen, 33, 256, 256, 64, 64, torch.bfloat16)  # 33 * 8 pairs > 256 experts
+    tr.sparse_moe(**args, top_k=8, norm_topk_prob=True)
+    assert calls == [1]
+
+
+def test_replays_in_a_cuda_graph():
+    tr = _triton()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    args = make(gen, 2, 256, 2048, 512, 512, torch.bfloat16)
+    tr.sparse_moe(**args, top_k=8, norm_topk_prob=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tr.sparse_moe(**args, top_k=8, norm_topk_prob=True)
+    args["x"].copy_(randn(gen, 2, 2048, dtype=torch.bfloat16))
+    graph.replay()
+    assert torch.equal(out, tr.sparse_moe(**args, top_k=8, norm_topk_prob=True))
