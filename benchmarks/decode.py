@@ -3,8 +3,9 @@ for a Qwen3.5-shaped model with random weights (4B by default; ``--shape qwen3.5
 the MoE one, without DFLASH: the z-lab-style draft geometry is the 4B's). Decode steps are timed
 in one run several ways: eager; replayed from CUDA graphs; replayed with overlap scheduling (the
 host prepares step n+1 while the GPU runs step n); and, with ``--baseline OP=BACKEND``, replayed
-with those ops at other backends, for a same-run ratio (``linear=reference``: cuBLAS
-projections against our GEMV; ``sparse_moe=triton`` on the MoE shape).
+with those ops at other backends or another kernel set, for a same-run ratio
+(``linear=reference``: cuBLAS projections against our GEMV; ``sparse_moe=triton`` on the MoE
+shape; ``--kernels gpu-pdl --baseline gpu``: what programmatic dependent launch gains).
 
 Decode steps are compared with the floor memory bandwidth sets:
 (weight bytes read + KV bytes read + GDN state bytes read and written) / the measured copy
@@ -140,10 +141,13 @@ def kernels_of(model, kernels):
 
 def baseline_kernels(model, spec: str):
     """The model's kernels with some ops at other backends, from ``op=backend[,op=backend]``
-    (registry names; e.g. ``linear=reference``: every projection on cuBLAS)."""
+    (registry names; e.g. ``linear=reference``: every projection on cuBLAS), or a whole kernel
+    set by name (e.g. ``gpu`` against ``--kernels gpu-pdl``)."""
     from common.model.kernels import MODEL_OPS
     from common.ops.registry import default_registry
 
+    if "=" not in spec:
+        return select_kernels(spec)
     fields = {op: field for field, op in MODEL_OPS.items()}
     registry, chosen = default_registry(), dict(model.kernels.backends)
     replace = {}
@@ -237,9 +241,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/decode.json")
     p.add_argument("--parts", default="decode,prefill,dflash",
                    help="comma-separated parts to run: decode, prefill, dflash")
-    p.add_argument("--baseline", default="", metavar="OP=BACKEND[,...]",
-                   help="also time decode graphs with these ops at these backends, for a "
-                        "same-run ratio (linear=reference: cuBLAS projections)")
+    p.add_argument("--baseline", default="", metavar="OP=BACKEND[,...]|SET",
+                   help="also time decode graphs with these ops at these backends, or with "
+                        "another kernel set, for a same-run ratio (linear=reference: cuBLAS "
+                        "projections; gpu: against --kernels gpu-pdl)")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     parts = set(args.parts.split(","))

@@ -12,6 +12,9 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
   Triton DFLASH draft block attention.
 - ``gpu-fla``: as ``gpu`` but with fla's chunked prefill, for machines whose FlashInfer lacks
   the CuTe-DSL libraries its GDN kernels need.
+- ``gpu-pdl``: as ``gpu`` but the GEMV and the norm, SwiGLU and output-gate kernels launch as
+  programmatic dependent launches (``common/ops/pdl.py``), so each starts while the kernel
+  before it finishes. Not yet run on a GPU, so not the default.
 
 Both GPU sets also use our Triton RMSNorm / gated RMSNorm, GDN gates and RoPE: one launch per
 call where the reference's elementwise torch code launches 6-10 kernels; likewise the fused
@@ -53,10 +56,16 @@ _GPU = {
     "linear": "triton",
 }
 
+# the ops whose Triton kernels can launch with PDL (common/ops/pdl.py): the GEMV and the kernels
+# in front of it in a decode step
+_PDL = {op: "triton-pdl" for op in ("linear", "rms_norm", "add_rms_norm", "gated_rms_norm",
+                                    "silu_and_mul", "sigmoid_gate_mul")}
+
 BACKEND_SETS: dict[str, dict[str, str]] = {
     "reference": {},
     "gpu": _GPU,
     "gpu-fla": {**_GPU, "chunk_gated_delta_rule": "fla"},
+    "gpu-pdl": {**_GPU, **_PDL},
 }
 
 

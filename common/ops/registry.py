@@ -42,8 +42,9 @@ REFERENCE_OPS: dict[str, str] = {
     "linear": "common.ops.linear.reference",
 }
 
-# op name -> GPU backend name -> module holding it (attribute named like the op). Importing the
-# module pulls in triton / fla / flashinfer, so it only happens when the backend is first resolved.
+# op name -> GPU backend name -> module holding it (attribute named like the op, or the one after
+# a colon: "module:attr"). Importing the module pulls in triton / fla / flashinfer, so it only
+# happens when the backend is first resolved.
 GPU_OPS: dict[str, dict[str, str]] = {
     "chunk_gated_delta_rule": {
         "fla": "common.ops.gdn.fla",
@@ -61,17 +62,25 @@ GPU_OPS: dict[str, dict[str, str]] = {
     "gdn_verify": {"triton": "common.ops.gdn.verify_triton"},
     "paged_attention": {"flashinfer": "common.ops.attention.flashinfer"},
     "draft_block_attention": {"triton": "common.ops.attention.draft_triton"},
-    "rms_norm": {"triton": "common.ops.norm.triton"},
-    "add_rms_norm": {"triton": "common.ops.norm.triton"},
-    "gated_rms_norm": {"triton": "common.ops.norm.triton"},
+    # "triton-pdl": the same kernels launched as programmatic dependent launches (SM90+): a
+    # kernel starts while the one before it finishes (common/ops/pdl.py)
+    "rms_norm": {"triton": "common.ops.norm.triton",
+                 "triton-pdl": "common.ops.norm.triton:rms_norm_pdl"},
+    "add_rms_norm": {"triton": "common.ops.norm.triton",
+                     "triton-pdl": "common.ops.norm.triton:add_rms_norm_pdl"},
+    "gated_rms_norm": {"triton": "common.ops.norm.triton",
+                       "triton-pdl": "common.ops.norm.triton:gated_rms_norm_pdl"},
     "gdn_gating": {"triton": "common.ops.gdn.gating_triton"},
     "apply_rope": {"triton": "common.ops.rope.triton"},
-    "silu_and_mul": {"triton": "common.ops.mlp.triton"},
+    "silu_and_mul": {"triton": "common.ops.mlp.triton",
+                     "triton-pdl": "common.ops.mlp.triton:silu_and_mul_pdl"},
     "store_paged_kv": {"triton": "common.ops.attention.kv_store_triton"},
     "sparse_moe": {"capturable": "common.ops.moe.capturable", "triton": "common.ops.moe.triton"},
     "qk_norm_rope_store": {"triton": "common.ops.attention.qk_prep_triton"},
-    "sigmoid_gate_mul": {"triton": "common.ops.attention.output_gate_triton"},
-    "linear": {"triton": "common.ops.linear.triton"},
+    "sigmoid_gate_mul": {"triton": "common.ops.attention.output_gate_triton",
+                         "triton-pdl": "common.ops.attention.output_gate_triton:sigmoid_gate_mul_pdl"},
+    "linear": {"triton": "common.ops.linear.triton",
+               "triton-pdl": "common.ops.linear.triton:linear_pdl"},
 }
 
 Factory = Callable[[], Callable[..., Any]]
@@ -132,6 +141,7 @@ def default_registry() -> OpRegistry:
     for op, module in REFERENCE_OPS.items():
         registry.register(op, REFERENCE_BACKEND, _import_factory(module, op))
     for op, backends in GPU_OPS.items():
-        for backend, module in backends.items():
-            registry.register(op, backend, _import_factory(module, op))
+        for backend, where in backends.items():
+            module, _, attr = where.partition(":")
+            registry.register(op, backend, _import_factory(module, attr or op))
     return registry

@@ -13,10 +13,12 @@ program per (token, block of heads); nothing syncs with the host (CUDA-graph cap
 
 from __future__ import annotations
 
+import functools
 import torch
 import triton
 import triton.language as tl
 
+from common.ops import pdl as _pdl
 from common.ops.attention import output_gate_reference as reference
 from common.ops.triton_math import INTERPRET as _INTERPRET, exp as _exp
 
@@ -28,7 +30,9 @@ _LATENCY_GRID = 512  # (token, head) pairs up to which a launch is latency bound
 
 
 @triton.jit
-def _gate_kernel(x, sxt, sxh, g, sgt, sgh, o, H, D, BHEADS: tl.constexpr, BD: tl.constexpr):
+def _gate_kernel(x, sxt, sxh, g, sgt, sgh, o, H, D, BHEADS: tl.constexpr, BD: tl.constexpr,
+                 PDL: tl.constexpr):
+    _pdl.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = (tl.program_id(1) * BHEADS + tl.arange(0, BHEADS)).to(tl.int64)
     d = tl.arange(0, BD)
@@ -51,7 +55,7 @@ def _supported(x: torch.Tensor, gate: torch.Tensor) -> bool:
                for t in (x, gate))
 
 
-def _launch(*, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def _launch(*, x: torch.Tensor, gate: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """The kernel launch on arguments already checked and supported (CPU tensors allowed under
     ``TRITON_INTERPRET=1``)."""
     x, gate = _last_dim_contiguous(x), _last_dim_contiguous(gate)
@@ -66,17 +70,22 @@ def _launch(*, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     bheads = max(1, min(triton.next_power_of_2(h), tile // bd))
     _gate_kernel[(t, triton.cdiv(h, bheads))](
         x, x.stride(0), x.stride(1), gate, gate.stride(0), gate.stride(1), out, h, d,
-        BHEADS=bheads, BD=bd, num_warps=max(1, min(4, bheads * bd // 64)), enable_fp_fusion=False)
+        BHEADS=bheads, BD=bd, num_warps=max(1, min(4, bheads * bd // 64)), enable_fp_fusion=False,
+        **_pdl.launch_options(pdl, x.device))
     return out
 
 
-def sigmoid_gate_mul(*, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_gate_mul(*, x: torch.Tensor, gate: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """Triton version of :func:`common.ops.attention.output_gate_reference.sigmoid_gate_mul` (same
     contract): ``x * torch.sigmoid(gate)`` as a new contiguous [T, H * D] tensor in x.dtype.
 
-    CPU tensors, fp64, or tensors on different devices go to the reference.
+    CPU tensors, fp64, or tensors on different devices go to the reference. ``pdl``: launch as
+    a programmatic dependent launch (``common/ops/pdl.py``).
     """
     reference.check_gate_args(x, gate)
     if not _supported(x, gate):
         return reference.sigmoid_gate_mul(x=x, gate=gate)
-    return _launch(x=x, gate=gate)
+    return _launch(x=x, gate=gate, pdl=pdl)
+
+
+sigmoid_gate_mul_pdl = functools.partial(sigmoid_gate_mul, pdl=True)  # the ``triton-pdl`` backend

@@ -22,16 +22,18 @@ bit.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from common.ops import pdl as _pdl
 from common.ops.linear import reference
 from common.ops.triton_math import INTERPRET as _INTERPRET
 
-__all__ = ["linear", "GemvConfig", "config_for", "uses_triton", "MAX_ROWS"]
+__all__ = ["linear", "linear_pdl", "GemvConfig", "config_for", "uses_triton", "MAX_ROWS"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROWS = 16  # more rows than this and the GEMM is no longer bound by reading the weight once
@@ -49,9 +51,26 @@ class GemvConfig:
 
 
 @triton.jit
+def _load_chunk(rows, ks, K, EVEN_K: tl.constexpr, WEIGHT: tl.constexpr):
+    """Columns ``ks`` of the rows (0 past K); weights are read once: evict them first."""
+    if EVEN_K:
+        if WEIGHT:
+            v = tl.load(rows + ks[None, :], eviction_policy="evict_first")
+        else:
+            v = tl.load(rows + ks[None, :])
+    else:
+        if WEIGHT:
+            v = tl.load(rows + ks[None, :], mask=(ks < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        else:
+            v = tl.load(rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+    return v
+
+
+@triton.jit
 def _gemv_kernel(x, stride_xm, w, stride_wn, out, stride_om, M, N, K,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -60,7 +79,17 @@ def _gemv_kernel(x, stride_xm, w, stride_wn, out, stride_om, M, N, K,
     w_rows = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * stride_wn
     x_rows = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if PDL:
+        # the weights depend on no earlier kernel: the first chunk is read while the kernel
+        # before this one finishes, then the input row once it has
+        _pdl.trigger(PDL)
+        wt = _load_chunk(w_rows, rk, K, EVEN_K, True)
+        _pdl.wait(PDL)
+        xt = _load_chunk(x_rows, rk, K, EVEN_K, False)
+        acc += xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         ks = k0 + rk
         if EVEN_K:
             wt = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
@@ -79,7 +108,8 @@ def _gemv_kernel(x, stride_xm, w, stride_wn, out, stride_om, M, N, K,
 @triton.jit
 def _dot_kernel(x, stride_xm, w, stride_wn, out, stride_om, M, N, K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    _pdl.start(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -129,23 +159,25 @@ def config_for(rows: int, n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4)
 
 
-def _launch(x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: GemvConfig) -> None:
+def _launch(x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: GemvConfig,
+            pdl: bool) -> None:
     m, k = x2.shape
     n = out.shape[1]
     args = (x2, x2.stride(0), weight, weight.stride(0), out, out.stride(0), m, n, k)
+    options = _pdl.launch_options(pdl, x2.device)
     if m <= _GEMV_ROWS:
         _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
             *args, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps)
+            EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, **options)
     else:
         block_n, block_k = max(16, cfg.block_n), max(16, cfg.block_k)  # tl.dot's minimum
         _dot_kernel[(triton.cdiv(n, block_n),)](
             *args, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-            IEEE=x2.dtype == torch.float32, num_warps=cfg.num_warps)
+            IEEE=x2.dtype == torch.float32, num_warps=cfg.num_warps, **options)
 
 
-def linear(*, x: torch.Tensor, weight: torch.Tensor,
-           config: GemvConfig | None = None) -> torch.Tensor:
+def linear(*, x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
+           pdl: bool = False) -> torch.Tensor:
     """Triton version of :func:`common.ops.linear.reference.linear` (same contract).
 
     Shapes :func:`uses_triton` turns down go to cuBLAS.
@@ -153,6 +185,9 @@ def linear(*, x: torch.Tensor, weight: torch.Tensor,
     Args:
         config: a tile to use instead of :func:`config_for`'s, for any row count up to
             :data:`MAX_ROWS` (benchmarks sweep it; tests force both kernels with it).
+        pdl: launch as a programmatic dependent launch (``common/ops/pdl.py``): the GEMV reads
+            its first weight chunk before the kernel ahead of it has finished. cuBLAS shapes
+            launch as usual.
     """
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if (not (x.is_cuda or _INTERPRET) or x.dtype not in _DTYPES or weight.dtype != x.dtype
@@ -165,6 +200,9 @@ def linear(*, x: torch.Tensor, weight: torch.Tensor,
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _launch(x2, weight, out, config or config_for(rows, n, k))
+    _launch(x2, weight, out, config or config_for(rows, n, k), pdl)
     return out.view(*x.shape[:-1], n)
+
+
+linear_pdl = functools.partial(linear, pdl=True)  # the ``triton-pdl`` backend
 

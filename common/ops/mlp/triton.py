@@ -14,11 +14,13 @@ decode step spreads an intermediate size of ~10k over several programs.
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from common.ops import pdl as _pdl
 from common.ops.mlp import reference
 from common.ops.triton_math import INTERPRET as _INTERPRET, exp as _exp
 
@@ -29,7 +31,8 @@ _BLOCK = 1024  # columns per program
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, stride_x, out, I, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x, stride_x, out, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -42,11 +45,12 @@ def _silu_and_mul_kernel(x, stride_x, out, I, BLOCK: tl.constexpr):
     tl.store(out + row * I + cols, (s * u).to(ty), mask=mask)
 
 
-def silu_and_mul(*, x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(*, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """Triton version of :func:`common.ops.mlp.reference.silu_and_mul` (same contract).
 
     ``silu(x[..., :I]) * x[..., I:]`` with torch's roundings for x.dtype, as a new contiguous
-    ``[..., I]`` tensor. CPU or fp64 tensors go to the reference.
+    ``[..., I]`` tensor. CPU or fp64 tensors go to the reference. ``pdl``: launch as a
+    programmatic dependent launch (``common/ops/pdl.py``).
     """
     if not ((x.is_cuda or _INTERPRET) and x.dtype in _DTYPES) or x.dim() == 0 or x.shape[-1] % 2:
         return reference.silu_and_mul(x=x)  # (which raises for a last dim that is not 2I)
@@ -60,5 +64,8 @@ def silu_and_mul(*, x: torch.Tensor) -> torch.Tensor:
     block = min(_BLOCK, triton.next_power_of_2(i))
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(i, block))](
         rows, rows.stride(0), out, i, BLOCK=block, num_warps=max(1, min(4, block // 256)),
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **_pdl.launch_options(pdl, x.device))
     return out
+
+
+silu_and_mul_pdl = functools.partial(silu_and_mul, pdl=True)  # the ``triton-pdl`` backend

@@ -21,11 +21,13 @@ squares, then the scaled output).
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from common.ops import pdl as _pdl
 from common.ops.norm import reference
 from common.ops.triton_math import INTERPRET as _INTERPRET, exp as _exp, rsqrt as _rsqrt
 
@@ -87,10 +89,11 @@ def _norm_kernel(
     x, sx0, sx1, sx2, sx3, g, sg0, sg1, sg2, sg3, w, stride_w, out, summed,
     n_rows, n1, n2, n3, H, inv_h, eps,
     MODE: tl.constexpr, ROUND_PROD: tl.constexpr, ADD: tl.constexpr, BR: tl.constexpr,
-    BH: tl.constexpr, CHUNKS: tl.constexpr,
+    BH: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One tile of rows. ``g`` is the gate (MODE 2) or, with ADD, the residual, whose rounded sum
     with x is stored to ``summed`` and normalised in place of x."""
+    _pdl.start(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     mask_r = rows < n_rows
     x_row = _row_offsets(rows, n1, n2, n3, sx0, sx1, sx2, sx3)
@@ -162,7 +165,8 @@ def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, eps: float, mode: int,
-            round_prod: bool, add: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            round_prod: bool, add: bool = False,
+            pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(normed, summed): ``gate`` is the gate of MODE _GATED, or with ``add`` the residual (then
     ``summed`` is the rounded x + residual; None otherwise)."""
     x = _last_dim_contiguous(x)
@@ -189,24 +193,27 @@ def _launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, ep
         out if summed is None else summed,  # never written without ADD
         n_rows, sizes[1], sizes[2], sizes[3], h, 1.0 / h, eps,
         MODE=mode, ROUND_PROD=round_prod, ADD=add, BR=br, BH=bh, CHUNKS=triton.cdiv(h, bh),
-        num_warps=num_warps, enable_fp_fusion=False)
+        num_warps=num_warps, enable_fp_fusion=False, **_pdl.launch_options(pdl, x.device))
     return out, summed
 
 
-def rms_norm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True) -> torch.Tensor:
+def rms_norm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = True,
+             pdl: bool = False) -> torch.Tensor:
     """Triton version of :func:`common.ops.norm.reference.rms_norm` (same contract).
 
     ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` (``* weight`` when not zero_centered) in fp32,
-    rounded once to x.dtype. CPU or fp64 tensors go to the reference.
+    rounded once to x.dtype. CPU or fp64 tensors go to the reference. ``pdl``: launch as a
+    programmatic dependent launch (``common/ops/pdl.py``); every op of this module takes it.
     """
     if not _supported(x, weight) or x.dim() == 0:
         return reference.rms_norm(x=x, weight=weight, eps=eps, zero_centered=zero_centered)
     _check_weight(x, weight)
-    return _launch(x, None, weight, eps, _ZERO_CENTERED if zero_centered else _PLAIN, False)[0]
+    return _launch(x, None, weight, eps, _ZERO_CENTERED if zero_centered else _PLAIN, False,
+                   pdl=pdl)[0]
 
 
 def add_rms_norm(*, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 zero_centered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 zero_centered: bool = True, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`common.ops.norm.reference.add_rms_norm` (same contract).
 
     One launch reads x and the residual once and writes both ``summed`` (x + residual rounded to
@@ -221,12 +228,12 @@ def add_rms_norm(*, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
         raise ValueError(f"residual must match x ({tuple(x.shape)}, {x.dtype}), "
                          f"got {tuple(residual.shape)}, {residual.dtype}")
     normed, summed = _launch(x, residual, weight, eps, _ZERO_CENTERED if zero_centered else _PLAIN,
-                             False, add=True)
+                             False, add=True, pdl=pdl)
     return normed, summed
 
 
 def gated_rms_norm(*, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-                   eps: float) -> torch.Tensor:
+                   eps: float, pdl: bool = False) -> torch.Tensor:
     """Triton version of :func:`common.ops.norm.reference.gated_rms_norm` (same contract).
 
     The normalised value is rounded to x.dtype before the weight multiply, and ``silu(gate)`` is
@@ -239,4 +246,10 @@ def gated_rms_norm(*, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     if gate.shape != x.shape:
         raise ValueError(f"gate must have the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
     round_prod = torch.promote_types(weight.dtype, x.dtype) == x.dtype
-    return _launch(x, gate, weight, eps, _GATED, round_prod)[0]
+    return _launch(x, gate, weight, eps, _GATED, round_prod, pdl=pdl)[0]
+
+
+# the ``triton-pdl`` backends (registry): the same ops, launched with PDL
+rms_norm_pdl = functools.partial(rms_norm, pdl=True)
+add_rms_norm_pdl = functools.partial(add_rms_norm, pdl=True)
+gated_rms_norm_pdl = functools.partial(gated_rms_norm, pdl=True)

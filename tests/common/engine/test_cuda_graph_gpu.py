@@ -59,6 +59,25 @@ def test_decode_replay_gives_the_plain_eager_tokens(models):
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
 
 
+def test_pdl_kernel_set_gives_the_gpu_set_tokens(models):
+    """``gpu-pdl`` launches the GEMV, norm, SwiGLU and gate kernels as programmatic dependent
+    launches; they compute the same bits, so replayed decode steps give the same tokens."""
+    from common.model.kernels import Kernels
+    from common.ops.gpu_backends import backends_for
+
+    model, _ = models
+    params = [SamplingParams(temperature=0.0, max_new_tokens=10 + 3 * i, ignore_eos=True)
+              for i in range(len(LENGTHS))]
+    want = _engine(model, None, graphs=True).generate(_prompts(), params)
+    kept = model.kernels
+    model.kernels = Kernels.select(backends_for("gpu-pdl"))
+    try:
+        got = _engine(model, None, graphs=True).generate(_prompts(), params)
+    finally:
+        model.kernels = kept
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+
+
 def test_overlap_scheduling_gives_the_tokens_of_steps_in_turn(models):
     """Replayed steps launched while the host prepares the next (the relay feeding each step
     the previous step's tokens on the device), greedy and seeded sampled requests, requests

@@ -34,7 +34,9 @@ def test_backend_sets_name_registered_backends():
     for op in ("rms_norm", "gated_rms_norm", "gdn_gating", "apply_rope"):
         assert chosen[op] == "triton" and gpu_backends.chosen_backends("gpu-fla")[op] == "triton"
     assert gpu_backends.describe("gpu").startswith("gpu: ")
-    with pytest.raises(ValueError, match="known: gpu, gpu-fla, reference"):
+    pdl = gpu_backends.chosen_backends("gpu-pdl")
+    assert pdl["linear"] == "triton-pdl" and pdl["paged_attention"] == "flashinfer"
+    with pytest.raises(ValueError, match="known: gpu, gpu-fla, gpu-pdl, reference"):
         gpu_backends.backends_for("fast")
 
 

@@ -62,14 +62,20 @@ def test_odd_shapes(record_metric, renorm, dtype):
 
 
 def test_router_picks_the_reference_experts():
+    """Same experts and weights per token. bf16 logits tie often (a 1/128 ulp near the top-k
+    boundary), and the order among tied experts is the sort's, so sets are compared; a tie at
+    the boundary itself takes the lower expert id in both (torch's top-k gathers ties in index
+    order)."""
     tr = _triton()
     gen = torch.Generator(device="cuda").manual_seed(9)
     x = randn(gen, 17, 2048, dtype=torch.bfloat16)
     router = randn(gen, 256, 2048, dtype=torch.bfloat16) * 2048 ** -0.5
     ids, weights = tr._route(x, router, 8, True)
     want_ids, want_w = reference.route(x, router, 8, True, torch.float32)
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(weights, want_w, rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(ids.sort(dim=1).values, want_ids.sort(dim=1).values)
+    order, want_order = ids.argsort(dim=1), want_ids.argsort(dim=1)
+    torch.testing.assert_close(weights.gather(1, order), want_w.gather(1, want_order),
+                               rtol=2 ** -7, atol=1e-6)
 
 
 def test_many_tokens_go_to_the_capturable_op(monkeypatch):

@@ -25,9 +25,10 @@ def test_gpu_backends_are_registered_without_importing_their_libraries():
 
     registry = default_registry()
     assert registry.backends("chunk_gated_delta_rule") == ["fla", "flashinfer", "reference"]
-    for op in ("rms_norm", "gated_rms_norm", "gdn_gating", "apply_rope", "add_rms_norm", "silu_and_mul",
-               "store_paged_kv"):
+    for op in ("gdn_gating", "apply_rope", "store_paged_kv"):
         assert registry.backends(op) == ["reference", "triton"]
+    for op in ("rms_norm", "gated_rms_norm", "add_rms_norm", "silu_and_mul", "linear"):
+        assert registry.backends(op) == ["reference", "triton", "triton-pdl"]
     assert "common.ops.gdn.flashinfer" not in sys.modules  # nothing resolved, nothing imported
 
 
@@ -54,3 +55,11 @@ def test_factories_are_lazy_and_registries_independent():
     assert registry.get("count") is max
     with pytest.raises(ValueError, match="unknown op"):
         default_registry().get("count")
+
+
+def test_a_backend_may_name_its_attribute():
+    """``module:attr`` entries: the PDL backends are partials of the Triton ops."""
+    import functools
+
+    fn = default_registry().get("linear", "triton-pdl")
+    assert isinstance(fn, functools.partial) and fn.keywords == {"pdl": True}
