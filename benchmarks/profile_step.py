@@ -146,6 +146,7 @@ def main(argv=None) -> int:
                         "only, the draft's shape) or tiny")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kernels", default="gpu", help="a kernel set (e.g. gpu-pdl)")
     p.add_argument("--out", default="out/profile.json")
     args = p.parse_args(argv)
     if args.model == "tiny":
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
         prompt_len, vocab = 24, 250
     else:
         with_draft = args.model == "qwen3.5-4b"
-        model, draft = build("gpu", with_draft=with_draft, shape=args.model)
+        model, draft = build(args.kernels, with_draft=with_draft, shape=args.model)
         plain = engine_for(model, None, max_running=max(8, args.batch), graphs=True)
         spec = engine_for(model, draft, block_size=args.block_size,
                           max_running=max(8, args.batch), graphs=True) if with_draft else None
