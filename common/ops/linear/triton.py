@@ -186,8 +186,8 @@ def linear(*, x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None =
         config: a tile to use instead of :func:`config_for`'s, for any row count up to
             :data:`MAX_ROWS` (benchmarks sweep it; tests force both kernels with it).
         pdl: launch as a programmatic dependent launch (``common/ops/pdl.py``): the GEMV reads
-            its first weight chunk before the kernel ahead of it has finished. cuBLAS shapes
-            launch as usual.
+            its first weight chunk before the kernel ahead of it has finished, so that kernel
+            must not be the one that wrote the weight. cuBLAS shapes launch as usual.
     """
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if (not (x.is_cuda or _INTERPRET) or x.dtype not in _DTYPES or weight.dtype != x.dtype
