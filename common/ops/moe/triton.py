@@ -15,7 +15,8 @@ over, and about 25 launches a layer), three kernels do the routed part here:
 Every pair reads its expert's weights once, so this serves while pairs are few against the
 experts (``T * k <= E``, decode batches up to 32 for Qwen3.5-35B-A3B's 8 of 256); more tokens
 go to the ``capturable`` backend, whose dense path reads every expert once whatever T. The
-shared expert stays the reference's torch code.
+shared expert is the reference's arithmetic with its four projections through our
+``linear`` op (the GEMV at one token, where cuBLAS took 2-3x longer on these small weights).
 
 Roundings follow the reference: logits rounded to x.dtype, softmax and top-k in fp32, weights
 rounded to x.dtype; each expert projection rounded to x.dtype (fp32 accumulation), silu and the
@@ -28,10 +29,11 @@ on the GPU for distinct values; exactly equal probabilities may order differentl
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from common.ops.linear.reference import linear
+from common.ops.linear.triton import linear
 from common.ops.moe import capturable, reference
 from common.ops.triton_math import INTERPRET as _INTERPRET, exp as _exp
 
@@ -135,7 +137,7 @@ def _down_kernel(act, ids, weights, w, stride_we, stride_wn, out, H, I,
 
 
 def _route(x, router_weight, top_k, norm_topk_prob) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ids [T, k] (int64) and weights [T, k] in x.dtype."""
+    """Expert ids [T, k] (int64) and weights [T, k] in x.dtype (the logits from our GEMV)."""
     t, num_experts = x.shape[0], router_weight.shape[0]
     logits = linear(x=x, weight=router_weight.to(x.dtype))  # rounded to x.dtype
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
@@ -196,5 +198,14 @@ def sparse_moe(
     ids, weights = _route(x, router_weight, top_k, norm_topk_prob)
     out = _routed(x, ids, weights, experts_gate_up, experts_down)
     if shared_expert_gate is not None:
-        out = out + reference.shared_expert(x, *shared).to(torch.float32)
+        out = out + _shared_expert(x, *shared).to(torch.float32)
     return out.to(x.dtype)
+
+
+def _shared_expert(x, gate_proj, up_proj, down_proj, expert_gate) -> torch.Tensor:
+    """:func:`common.ops.moe.reference.shared_expert` with its projections through ``linear``:
+    ``sigmoid(x @ expert_gate.T) * down(silu(gate(x)) * up(x))`` in x.dtype."""
+    dt = x.dtype
+    act = F.silu(linear(x=x, weight=gate_proj.to(dt))) * linear(x=x, weight=up_proj.to(dt))
+    mlp = linear(x=act, weight=down_proj.to(dt))
+    return torch.sigmoid(linear(x=x, weight=expert_gate.to(dt))) * mlp
