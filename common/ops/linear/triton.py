@@ -15,9 +15,9 @@ Two kernels:
 - ``_dot_kernel`` (M <= 16): a ``tl.dot`` tile of 16 padded rows, for verify blocks.
 
 Shapes where cuBLAS measured faster (:func:`uses_triton`), rows above :data:`MAX_ROWS`, CPU
-tensors and dtypes other than fp16/bf16/fp32 go to the reference (cuBLAS). Accumulation is fp32 and the output is rounded once, as cuBLAS does; the sum
-order differs from cuBLAS's, so results agree to fp32 rounding of the dot products, not bit for
-bit.
+tensors and dtypes other than fp16/bf16/fp32 go to the reference (cuBLAS). Accumulation is fp32
+and the output is rounded once, as cuBLAS does; the sum order differs from cuBLAS's, so results
+agree to fp32 rounding of the dot products, not bit for bit.
 """
 
 from __future__ import annotations
@@ -68,16 +68,25 @@ def _load_chunk(rows, ks, K, EVEN_K: tl.constexpr, WEIGHT: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x, stride_xm, w, stride_wn, out, stride_om, M, N, K,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
+def _tile(x, stride_xm, w, stride_wn, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """This program's output rows and columns, their masks, the row pointers of its weight rows
+    and input rows (out-of-range rows point at row 0), and the column offsets of one chunk."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     m_ok = rm < M
     w_rows = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * stride_wn
     x_rows = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * stride_xm
+    return rn, rm, n_ok, m_ok, w_rows, x_rows, tl.arange(0, BLOCK_K)
+
+
+@triton.jit
+def _gemv_kernel(x, stride_xm, w, stride_wn, out, stride_om, M, N, K,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    rn, rm, n_ok, m_ok, w_rows, x_rows, rk = _tile(x, stride_xm, w, stride_wn, M, N, BLOCK_M,
+                                                   BLOCK_N, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
     k_start = 0
     if PDL:
@@ -91,14 +100,8 @@ def _gemv_kernel(x, stride_xm, w, stride_wn, out, stride_om, M, N, K,
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         ks = k0 + rk
-        if EVEN_K:
-            wt = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
-            xt = tl.load(x_rows + ks[None, :])
-        else:
-            k_ok = (ks < K)[None, :]
-            wt = tl.load(w_rows + ks[None, :], mask=k_ok, other=0.0,
-                         eviction_policy="evict_first")
-            xt = tl.load(x_rows + ks[None, :], mask=k_ok, other=0.0)
+        wt = _load_chunk(w_rows, ks, K, EVEN_K, True)
+        xt = _load_chunk(x_rows, ks, K, EVEN_K, False)
         acc += xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
     tl.store(out + rm[:, None] * stride_om + rn[None, :], y.to(out.dtype.element_ty),
@@ -110,13 +113,8 @@ def _dot_kernel(x, stride_xm, w, stride_wn, out, stride_om, M, N, K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     _pdl.start(PDL)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < N
-    m_ok = rm < M
-    w_rows = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * stride_wn
-    x_rows = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * stride_xm
+    rn, rm, n_ok, m_ok, w_rows, x_rows, rk = _tile(x, stride_xm, w, stride_wn, M, N, BLOCK_M,
+                                                   BLOCK_N, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
