@@ -28,7 +28,8 @@ with no GPU backend (l2norm, rope_inv_freq, MLP) are plain torch, which runs on 
 
 from __future__ import annotations
 
-from common.ops.registry import GPU_OPS, REFERENCE_BACKEND, REFERENCE_OPS, default_registry
+from common.ops.registry import (GPU_OPS, PDL_BACKEND, REFERENCE_BACKEND, REFERENCE_OPS,
+                                 default_registry)
 
 __all__ = ["BACKEND_SETS", "backends_for", "chosen_backends", "describe", "select_kernels"]
 
@@ -58,8 +59,7 @@ _GPU = {
 
 # the ops whose Triton kernels can launch with PDL (common/ops/pdl.py): the GEMV and the kernels
 # in front of it in a decode step
-_PDL = {op: "triton-pdl" for op in ("linear", "rms_norm", "add_rms_norm", "gated_rms_norm",
-                                    "silu_and_mul", "sigmoid_gate_mul")}
+_PDL = {op: PDL_BACKEND for op, backends in GPU_OPS.items() if PDL_BACKEND in backends}
 
 BACKEND_SETS: dict[str, dict[str, str]] = {
     "reference": {},

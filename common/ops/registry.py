@@ -6,13 +6,18 @@ happen when it is actually chosen.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["OpRegistry", "default_registry", "REFERENCE_BACKEND", "REFERENCE_OPS", "GPU_OPS"]
+__all__ = ["OpRegistry", "default_registry", "REFERENCE_BACKEND", "PDL_BACKEND", "REFERENCE_OPS",
+           "GPU_OPS"]
 
 REFERENCE_BACKEND = "reference"
+# a Triton op launched as programmatic dependent launches (SM90+): each kernel starts while the
+# one before it finishes (common/ops/pdl.py); the op's Triton function with ``pdl=True``
+PDL_BACKEND = "triton-pdl"
 
 # op name -> module holding its plain-torch definition (attribute of the same name).
 REFERENCE_OPS: dict[str, str] = {
@@ -42,9 +47,8 @@ REFERENCE_OPS: dict[str, str] = {
     "linear": "common.ops.linear.reference",
 }
 
-# op name -> GPU backend name -> module holding it (attribute named like the op, or the one after
-# a colon: "module:attr"). Importing the module pulls in triton / fla / flashinfer, so it only
-# happens when the backend is first resolved.
+# op name -> GPU backend name -> module holding it (attribute named like the op). Importing the
+# module pulls in triton / fla / flashinfer, so it only happens when the backend is first resolved.
 GPU_OPS: dict[str, dict[str, str]] = {
     "chunk_gated_delta_rule": {
         "fla": "common.ops.gdn.fla",
@@ -62,33 +66,34 @@ GPU_OPS: dict[str, dict[str, str]] = {
     "gdn_verify": {"triton": "common.ops.gdn.verify_triton"},
     "paged_attention": {"flashinfer": "common.ops.attention.flashinfer"},
     "draft_block_attention": {"triton": "common.ops.attention.draft_triton"},
-    # "triton-pdl": the same kernels launched as programmatic dependent launches (SM90+): a
-    # kernel starts while the one before it finishes (common/ops/pdl.py)
+    # PDL_BACKEND entries: the module's Triton op called with pdl=True (default_registry)
     "rms_norm": {"triton": "common.ops.norm.triton",
-                 "triton-pdl": "common.ops.norm.triton:rms_norm_pdl"},
+                 "triton-pdl": "common.ops.norm.triton"},
     "add_rms_norm": {"triton": "common.ops.norm.triton",
-                     "triton-pdl": "common.ops.norm.triton:add_rms_norm_pdl"},
+                     "triton-pdl": "common.ops.norm.triton"},
     "gated_rms_norm": {"triton": "common.ops.norm.triton",
-                       "triton-pdl": "common.ops.norm.triton:gated_rms_norm_pdl"},
+                       "triton-pdl": "common.ops.norm.triton"},
     "gdn_gating": {"triton": "common.ops.gdn.gating_triton"},
     "apply_rope": {"triton": "common.ops.rope.triton"},
     "silu_and_mul": {"triton": "common.ops.mlp.triton",
-                     "triton-pdl": "common.ops.mlp.triton:silu_and_mul_pdl"},
+                     "triton-pdl": "common.ops.mlp.triton"},
     "store_paged_kv": {"triton": "common.ops.attention.kv_store_triton"},
     "sparse_moe": {"capturable": "common.ops.moe.capturable", "triton": "common.ops.moe.triton"},
     "qk_norm_rope_store": {"triton": "common.ops.attention.qk_prep_triton"},
     "sigmoid_gate_mul": {"triton": "common.ops.attention.output_gate_triton",
-                         "triton-pdl": "common.ops.attention.output_gate_triton:sigmoid_gate_mul_pdl"},
+                         "triton-pdl": "common.ops.attention.output_gate_triton"},
     "linear": {"triton": "common.ops.linear.triton",
-               "triton-pdl": "common.ops.linear.triton:linear_pdl"},
+               "triton-pdl": "common.ops.linear.triton"},
 }
 
 Factory = Callable[[], Callable[..., Any]]
 
 
-def _import_factory(module: str, attr: str) -> Factory:
+def _import_factory(module: str, attr: str, **options: Any) -> Factory:
+    """A factory for ``module.attr``, with ``options`` bound as keyword arguments if any."""
     def factory() -> Callable[..., Any]:
-        return getattr(importlib.import_module(module), attr)
+        fn = getattr(importlib.import_module(module), attr)
+        return functools.partial(fn, **options) if options else fn
 
     return factory
 
@@ -141,7 +146,7 @@ def default_registry() -> OpRegistry:
     for op, module in REFERENCE_OPS.items():
         registry.register(op, REFERENCE_BACKEND, _import_factory(module, op))
     for op, backends in GPU_OPS.items():
-        for backend, where in backends.items():
-            module, _, attr = where.partition(":")
-            registry.register(op, backend, _import_factory(module, attr or op))
+        for backend, module in backends.items():
+            options = {"pdl": True} if backend == PDL_BACKEND else {}
+            registry.register(op, backend, _import_factory(module, op, **options))
     return registry

@@ -13,7 +13,6 @@ program per (token, block of heads); nothing syncs with the host (CUDA-graph cap
 
 from __future__ import annotations
 
-import functools
 import torch
 import triton
 import triton.language as tl
@@ -86,6 +85,3 @@ def sigmoid_gate_mul(*, x: torch.Tensor, gate: torch.Tensor, pdl: bool = False) 
     if not _supported(x, gate):
         return reference.sigmoid_gate_mul(x=x, gate=gate)
     return _launch(x=x, gate=gate, pdl=pdl)
-
-
-sigmoid_gate_mul_pdl = functools.partial(sigmoid_gate_mul, pdl=True)  # the ``triton-pdl`` backend

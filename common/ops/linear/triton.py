@@ -22,7 +22,6 @@ agree to fp32 rounding of the dot products, not bit for bit.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +32,7 @@ from common.ops import pdl as _pdl
 from common.ops.linear import reference
 from common.ops.triton_math import INTERPRET as _INTERPRET
 
-__all__ = ["linear", "linear_pdl", "GemvConfig", "config_for", "uses_triton", "MAX_ROWS"]
+__all__ = ["linear", "GemvConfig", "config_for", "uses_triton", "MAX_ROWS"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_ROWS = 16  # more rows than this and the GEMM is no longer bound by reading the weight once
@@ -200,7 +199,4 @@ def linear(*, x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None =
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     _launch(x2, weight, out, config or config_for(rows, n, k), pdl)
     return out.view(*x.shape[:-1], n)
-
-
-linear_pdl = functools.partial(linear, pdl=True)  # the ``triton-pdl`` backend
 

@@ -14,8 +14,6 @@ decode step spreads an intermediate size of ~10k over several programs.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -66,6 +64,3 @@ def silu_and_mul(*, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         rows, rows.stride(0), out, i, BLOCK=block, num_warps=max(1, min(4, block // 256)),
         enable_fp_fusion=False, **_pdl.launch_options(pdl, x.device))
     return out
-
-
-silu_and_mul_pdl = functools.partial(silu_and_mul, pdl=True)  # the ``triton-pdl`` backend

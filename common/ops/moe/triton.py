@@ -71,6 +71,16 @@ def _route_kernel(logits, stride_l, ids, weights, E, TOP_K: tl.constexpr,
 
 
 @triton.jit
+def _load(ptrs, ok, EVEN: tl.constexpr):
+    """``ptrs`` loaded in fp32; where ``ok`` is False, 0 (no mask at all when EVEN)."""
+    if EVEN:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=ok, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def _gate_up_kernel(x, stride_x, ids, w, stride_we, stride_wn, act, I, H,
                     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr):
@@ -86,17 +96,10 @@ def _gate_up_kernel(x, stride_x, ids, w, stride_we, stride_wn, act, I, H,
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + rk
-        if EVEN_K:
-            xk = tl.load(x_row + ks).to(tl.float32)[None, :]
-            g = tl.load(gate + ks[None, :])
-            u = tl.load(up + ks[None, :])
-        else:
-            k_ok = ks < H
-            xk = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            g = tl.load(gate + ks[None, :], mask=k_ok[None, :], other=0.0)
-            u = tl.load(up + ks[None, :], mask=k_ok[None, :], other=0.0)
-        acc_g += g.to(tl.float32) * xk
-        acc_u += u.to(tl.float32) * xk
+        k_ok = ks < H
+        xk = _load(x_row + ks, k_ok, EVEN_K)[None, :]
+        acc_g += _load(gate + ks[None, :], k_ok[None, :], EVEN_K) * xk
+        acc_u += _load(up + ks[None, :], k_ok[None, :], EVEN_K) * xk
     ty = act.dtype.element_ty
     # each projection rounded to the dtype, then silu_and_mul's roundings
     gv = tl.sum(acc_g, axis=1).to(ty).to(tl.float32)
@@ -123,14 +126,9 @@ def _down_kernel(act, ids, weights, w, stride_we, stride_wn, out, H, I,
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for k0 in range(0, I, BLOCK_K):
             ks = k0 + rk
-            if EVEN_K:
-                a = tl.load(a_row + ks).to(tl.float32)[None, :]
-                d = tl.load(down + ks[None, :])
-            else:
-                k_ok = ks < I
-                a = tl.load(a_row + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                d = tl.load(down + ks[None, :], mask=k_ok[None, :], other=0.0)
-            acc += d.to(tl.float32) * a
+            k_ok = ks < I
+            a = _load(a_row + ks, k_ok, EVEN_K)[None, :]
+            acc += _load(down + ks[None, :], k_ok[None, :], EVEN_K) * a
         y = tl.sum(acc, axis=1).to(ty).to(tl.float32)  # the expert's output in the dtype
         total += y * tl.load(weights + pair).to(tl.float32)
     tl.store(out + t * H + rn, total, mask=n_ok)
@@ -182,10 +180,6 @@ def sparse_moe(
     ``T * top_k <= E`` tokens with expert weights in x.dtype and a last dim of stride 1; other
     calls go to the ``capturable`` backend."""
     shared = (shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate)
-    kwargs = dict(x=x, router_weight=router_weight, experts_gate_up=experts_gate_up,
-                  experts_down=experts_down, top_k=top_k, norm_topk_prob=norm_topk_prob,
-                  shared_gate_proj=shared_gate_proj, shared_up_proj=shared_up_proj,
-                  shared_down_proj=shared_down_proj, shared_expert_gate=shared_expert_gate)
     t, _, num_experts, _ = reference.check_moe_args(
         x=x, router_weight=router_weight, experts_gate_up=experts_gate_up,
         experts_down=experts_down, top_k=top_k, shared=shared)
@@ -193,7 +187,11 @@ def sparse_moe(
             or t * top_k > num_experts or t > MAX_TOKENS
             or experts_gate_up.dtype != x.dtype or experts_down.dtype != x.dtype
             or experts_gate_up.stride(2) != 1 or experts_down.stride(2) != 1):
-        return capturable.sparse_moe(**kwargs)
+        return capturable.sparse_moe(
+            x=x, router_weight=router_weight, experts_gate_up=experts_gate_up,
+            experts_down=experts_down, top_k=top_k, norm_topk_prob=norm_topk_prob,
+            shared_gate_proj=shared_gate_proj, shared_up_proj=shared_up_proj,
+            shared_down_proj=shared_down_proj, shared_expert_gate=shared_expert_gate)
     x = x if x.stride(1) == 1 else x.contiguous()
     ids, weights = _route(x, router_weight, top_k, norm_topk_prob)
     out = _routed(x, ids, weights, experts_gate_up, experts_down)

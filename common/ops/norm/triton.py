@@ -21,8 +21,6 @@ squares, then the scaled output).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -247,9 +245,3 @@ def gated_rms_norm(*, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"gate must have the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
     round_prod = torch.promote_types(weight.dtype, x.dtype) == x.dtype
     return _launch(x, gate, weight, eps, _GATED, round_prod, pdl=pdl)[0]
-
-
-# the ``triton-pdl`` backends (registry): the same ops, launched with PDL
-rms_norm_pdl = functools.partial(rms_norm, pdl=True)
-add_rms_norm_pdl = functools.partial(add_rms_norm, pdl=True)
-gated_rms_norm_pdl = functools.partial(gated_rms_norm, pdl=True)

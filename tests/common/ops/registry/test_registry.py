@@ -57,8 +57,7 @@ def test_factories_are_lazy_and_registries_independent():
         default_registry().get("count")
 
 
-def test_a_backend_may_name_its_attribute():
-    """``module:attr`` entries: the PDL backends are partials of the Triton ops."""
+def test_pdl_backends_are_the_triton_ops_with_pdl_on():
     import functools
 
     fn = default_registry().get("linear", "triton-pdl")
