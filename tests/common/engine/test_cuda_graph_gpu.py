@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.decode import build
+from benchmarks.decode import build, kernels_of
 from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
@@ -69,12 +69,8 @@ def test_pdl_kernel_set_gives_the_gpu_set_tokens(models):
     params = [SamplingParams(temperature=0.0, max_new_tokens=10 + 3 * i, ignore_eos=True)
               for i in range(len(LENGTHS))]
     want = _engine(model, None, graphs=True).generate(_prompts(), params)
-    kept = model.kernels
-    model.kernels = Kernels.select(backends_for("gpu-pdl"))
-    try:
+    with kernels_of(model, Kernels.select(backends_for("gpu-pdl"))):
         got = _engine(model, None, graphs=True).generate(_prompts(), params)
-    finally:
-        model.kernels = kept
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
 
 
