@@ -4,8 +4,8 @@ the MoE one, without DFLASH: the z-lab-style draft geometry is the 4B's). Decode
 in one run several ways: eager; replayed from CUDA graphs; replayed with overlap scheduling (the
 host prepares step n+1 while the GPU runs step n); and, with ``--baseline OP=BACKEND``, replayed
 with those ops at other backends or another kernel set, for a same-run ratio
-(``linear=reference``: cuBLAS projections against our GEMV; ``sparse_moe=triton`` on the MoE
-shape; ``--kernels gpu-pdl --baseline gpu``: what programmatic dependent launch gains).
+(``linear=reference``: cuBLAS projections against our GEMV; ``sparse_moe=capturable`` on the MoE
+shape; ``--baseline gpu-no-pdl``: what programmatic dependent launch gains).
 
 Decode steps are compared with the floor memory bandwidth sets:
 (weight bytes read + KV bytes read + GDN state bytes read and written) / the measured copy
@@ -142,7 +142,7 @@ def kernels_of(model, kernels):
 def baseline_kernels(model, spec: str):
     """The model's kernels with some ops at other backends, from ``op=backend[,op=backend]``
     (registry names; e.g. ``linear=reference``: every projection on cuBLAS), or a whole kernel
-    set by name (e.g. ``gpu`` against ``--kernels gpu-pdl``)."""
+    set by name (e.g. ``gpu-no-pdl``: the ``gpu`` set without PDL)."""
     from common.model.kernels import MODEL_OPS
     from common.ops.registry import default_registry
 
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default="", metavar="OP=BACKEND[,...]|SET",
                    help="also time decode graphs with these ops at these backends, or with "
                         "another kernel set, for a same-run ratio (linear=reference: cuBLAS "
-                        "projections; gpu: against --kernels gpu-pdl)")
+                        "projections; gpu-no-pdl: without PDL)")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     parts = set(args.parts.split(","))

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                         "only, the draft's shape) or tiny")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kernels", default="gpu", help="a kernel set (e.g. gpu-pdl)")
+    p.add_argument("--kernels", default="gpu", help="a kernel set (e.g. gpu-no-pdl)")
     p.add_argument("--out", default="out/profile.json")
     args = p.parse_args(argv)
     if args.model == "tiny":

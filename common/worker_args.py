@@ -42,9 +42,10 @@ def add_cuda_graph_args(p: argparse.ArgumentParser) -> None:
                    help="run decode (and DFLASH verify) eagerly instead of replaying CUDA graphs")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256,
                    help="largest batch captured in a CUDA graph; larger steps run eagerly")
-    p.add_argument("--enable-overlap-schedule", action="store_true",
-                   help="launch decode step n+1 before reading step n's tokens (plain decode "
-                        "steps replayed from CUDA graphs; docs/cuda_graphs.md)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each decode step's tokens before launching the next (by default "
+                        "plain decode steps replayed from CUDA graphs launch step n+1 first; "
+                        "docs/cuda_graphs.md)")
 
 
 def add_kernel_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +77,7 @@ def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> Engin
         device=args.device,
         hold_after_prefill=prefill,
         cuda_graph=cuda_graph_from_args(args),
-        overlap_schedule=args.enable_overlap_schedule,
+        overlap_schedule=not args.disable_overlap_schedule,
     )
 
 

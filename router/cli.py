@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in _WORKER_FLAGS:
         up.add_argument(flag, default=None, help="passed to every worker")
     up.add_argument("--disable-cuda-graph", action="store_true", help="passed to every worker")
-    up.add_argument("--enable-overlap-schedule", action="store_true",
+    up.add_argument("--disable-overlap-schedule", action="store_true",
                     help="passed to every worker")
     up.add_argument("--start-timeout", type=float, default=600.0,
                     help="seconds each process may take to become ready")
@@ -198,7 +198,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             worker_args += [flag, str(value)]
-    for flag in ("--disable-cuda-graph", "--enable-overlap-schedule"):
+    for flag in ("--disable-cuda-graph", "--disable-overlap-schedule"):
         if getattr(args, flag.lstrip("-").replace("-", "_")):
             worker_args.append(flag)
     devices = tuple(d for d in (args.device or "").split(",") if d)

@@ -42,7 +42,7 @@ class EngineConfig:
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     # launch decode step n+1 before reading step n's tokens (docs/cuda_graphs.md); needs the
     # decode graph runner, so it has no effect where graphs are off
-    overlap_schedule: bool = False
+    overlap_schedule: bool = True
 
 
 @dataclass

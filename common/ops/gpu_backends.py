@@ -12,17 +12,20 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
   Triton DFLASH draft block attention.
 - ``gpu-fla``: as ``gpu`` but with fla's chunked prefill, for machines whose FlashInfer lacks
   the CuTe-DSL libraries its GDN kernels need.
-- ``gpu-pdl``: as ``gpu`` but the GEMV and the norm, SwiGLU and output-gate kernels launch as
-  programmatic dependent launches (``common/ops/pdl.py``), so each starts while the kernel
-  before it finishes. Not yet run on a GPU, so not the default.
+  The GEMV and the norm, SwiGLU and output-gate kernels launch as programmatic dependent
+  launches (``common/ops/pdl.py``), so each starts while the kernel before it finishes (6%
+  off a batch-1 decode step on H200, docs/performance.md).
+- ``gpu-no-pdl``: as ``gpu`` but those kernels launch plainly; the baseline that measures PDL.
 
-Both GPU sets also use our Triton RMSNorm / gated RMSNorm, GDN gates and RoPE: one launch per
+The GPU sets also use our Triton RMSNorm / gated RMSNorm, GDN gates and RoPE: one launch per
 call where the reference's elementwise torch code launches 6-10 kernels; likewise the fused
 residual add + RMSNorm, the SwiGLU activation, the paged K/V store, the attention layer's q/k
 norms + RoPE + K/V store (one launch) and its sigmoid output gate; and our Triton GEMV for
 projections of one row (and of 5-16 rows for wide weights), where it read weights faster than
 cuBLAS (docs/kernels.md), cuBLAS for the rest. The sparse MoE op is
-plain torch that reads no value on the host for up to 64 tokens (CUDA graphs replay it). Ops
+our Triton kernels (router top-k, gate/up with SwiGLU, weighted down, each reading the chosen
+experts in place) while tokens x top-k is at most the expert count, and otherwise plain torch
+that reads no value on the host for up to 64 tokens; CUDA graphs replay both. Ops
 with no GPU backend (l2norm, rope_inv_freq, MLP) are plain torch, which runs on the GPU.
 """
 
@@ -53,7 +56,7 @@ _GPU = {
     "store_paged_kv": "triton",
     "qk_norm_rope_store": "triton",
     "sigmoid_gate_mul": "triton",
-    "sparse_moe": "capturable",
+    "sparse_moe": "triton",
     "linear": "triton",
 }
 
@@ -63,9 +66,9 @@ _PDL = {op: PDL_BACKEND for op, backends in GPU_OPS.items() if PDL_BACKEND in ba
 
 BACKEND_SETS: dict[str, dict[str, str]] = {
     "reference": {},
-    "gpu": _GPU,
-    "gpu-fla": {**_GPU, "chunk_gated_delta_rule": "fla"},
-    "gpu-pdl": {**_GPU, **_PDL},
+    "gpu": {**_GPU, **_PDL},
+    "gpu-fla": {**_GPU, **_PDL, "chunk_gated_delta_rule": "fla"},
+    "gpu-no-pdl": _GPU,
 }
 
 

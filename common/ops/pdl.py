@@ -19,12 +19,12 @@ And one for callers: what a kernel reads before its wait (the GEMV's weight) mus
 written by the kernel launched just before it. Model weights are written only when a checkpoint
 is loaded. The one exception is a ``FusedProjection`` moved to another device: it concatenates
 its weights again on the first forward after the move, right before its GEMV. So a moved model
-runs one forward (the engines' warm-up does) before it serves with ``gpu-pdl``.
+runs one forward (the engines' warm-up does) before it serves with the ``gpu`` set.
 
 A kernel launched without PDL (cuBLAS, FlashInfer, torch) is ordered as usual; a PDL kernel
 after it simply starts when it ends. CUDA-graph capture records the launches as programmatic
-edges. These kernels are chosen as the ``triton-pdl`` backends of their ops (kernel set
-``gpu-pdl``); under ``TRITON_INTERPRET=1`` or before SM90 they launch as plain kernels.
+edges. These kernels are chosen as the ``triton-pdl`` backends of their ops (kernel sets
+``gpu`` and ``gpu-fla``; ``gpu-no-pdl`` leaves them out); under ``TRITON_INTERPRET=1`` or before SM90 they launch as plain kernels.
 """
 
 from __future__ import annotations

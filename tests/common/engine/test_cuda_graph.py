@@ -59,7 +59,8 @@ def test_padded_decode_gives_the_eager_tokens_and_frees_everything(model):
     graphs = engine.runner.graphs
     seen = []
     run = graphs.run
-    graphs.run = lambda reqs, toks: (seen.append(graphs.padded_size(len(reqs))), run(reqs, toks))[1]
+    graphs.run = lambda reqs, toks, **kw: (seen.append(graphs.padded_size(len(reqs))),
+                                           run(reqs, toks, **kw))[1]
     free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
     got = [r.output_ids for r in engine.generate(prompts, params)]
     assert got == want

@@ -59,18 +59,20 @@ def test_decode_replay_gives_the_plain_eager_tokens(models):
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
 
 
-def test_pdl_kernel_set_gives_the_gpu_set_tokens(models):
-    """``gpu-pdl`` launches the GEMV, norm, SwiGLU and gate kernels as programmatic dependent
-    launches; they compute the same bits, so replayed decode steps give the same tokens."""
+def test_pdl_launches_give_the_tokens_of_plain_launches(models):
+    """The ``gpu`` set launches the GEMV, norm, SwiGLU and gate kernels as programmatic dependent
+    launches; they compute the same bits as ``gpu-no-pdl``'s plain launches, so replayed decode
+    steps give the same tokens."""
     from common.model.kernels import Kernels
     from common.ops.gpu_backends import backends_for
 
     model, _ = models
+    assert dict(model.kernels.backends)["linear"] == "triton-pdl"
     params = [SamplingParams(temperature=0.0, max_new_tokens=10 + 3 * i, ignore_eos=True)
               for i in range(len(LENGTHS))]
-    want = _engine(model, None, graphs=True).generate(_prompts(), params)
-    with kernels_of(model, Kernels.select(backends_for("gpu-pdl"))):
-        got = _engine(model, None, graphs=True).generate(_prompts(), params)
+    got = _engine(model, None, graphs=True).generate(_prompts(), params)
+    with kernels_of(model, Kernels.select(backends_for("gpu-no-pdl"))):
+        want = _engine(model, None, graphs=True).generate(_prompts(), params)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
 
 

@@ -31,12 +31,15 @@ def test_backend_sets_name_registered_backends():
             assert backend in default_registry().backends(op)
     chosen = gpu_backends.chosen_backends("gpu")
     assert chosen["paged_attention"] == "flashinfer" and chosen["l2norm"] == "reference"
-    for op in ("rms_norm", "gated_rms_norm", "gdn_gating", "apply_rope"):
+    for op in ("gdn_gating", "apply_rope"):
         assert chosen[op] == "triton" and gpu_backends.chosen_backends("gpu-fla")[op] == "triton"
+    for op in ("rms_norm", "gated_rms_norm"):
+        assert chosen[op] == "triton-pdl" == gpu_backends.chosen_backends("gpu-fla")[op]
     assert gpu_backends.describe("gpu").startswith("gpu: ")
-    pdl = gpu_backends.chosen_backends("gpu-pdl")
-    assert pdl["linear"] == "triton-pdl" and pdl["paged_attention"] == "flashinfer"
-    with pytest.raises(ValueError, match="known: gpu, gpu-fla, gpu-pdl, reference"):
+    assert chosen["linear"] == "triton-pdl" and chosen["sparse_moe"] == "triton"
+    plain = gpu_backends.chosen_backends("gpu-no-pdl")
+    assert plain["linear"] == "triton" and plain["paged_attention"] == "flashinfer"
+    with pytest.raises(ValueError, match="known: gpu, gpu-fla, gpu-no-pdl, reference"):
         gpu_backends.backends_for("fast")
 
 
