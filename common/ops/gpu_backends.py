@@ -3,7 +3,7 @@
 Every set maps registry op names to backend names; ops a set leaves out use "reference".
 
 - ``reference``: plain torch everywhere (CPU or GPU; the definition of the numbers).
-- ``gpu``: the fastest backends measured on H200 (docs/kernels.md): FlashInfer chunked GDN
+- ``gpu``: the fastest backends measured on H200 (docs/kernel_benchmarks.md): FlashInfer chunked GDN
   prefill (128-dim heads; other head dims and fp32 go to fla), our Triton token recurrence
   (faster than fla's at decode sizes), our Triton conv1d, our Triton steps on the state pool by
   slot (the in-place decode step with its gates, the verify, and the commit of verified tokens:

@@ -50,7 +50,8 @@ def _workspace(device: torch.device) -> torch.Tensor:
 def decode_uses_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len: int = 1) -> bool:
     """FlashInfer's decode wrapper runs its tensor-core (prefill) kernel for verify blocks and
     for groups of 4+ query heads per KV head: its CUDA-core kernel walks a short KV serially
-    per head and was 5x slower at Qwen3.5-4B's group of 4 and batch 1 (docs/kernels.md).
+    per head and was slower at every graphed shape measured on H200, 1.05-2.5x
+    (``benchmarks/decode_attention.py``, docs/performance.md).
     SGLang applies the same group-size rule."""
     return q_len > 1 or num_qo_heads // num_kv_heads >= 4
 
