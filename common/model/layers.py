@@ -109,6 +109,11 @@ class FusedProjection:
     def weight(self) -> torch.Tensor:
         if self._fused.data_ptr() != self.linears[0].weight.data_ptr():
             self._fused = self._fuse()
+            if self._fused.is_cuda:
+                # a PDL GEMV reads its weight before waiting for the kernel launched before it
+                # (common/ops/pdl.py), which here is the concatenation: let that finish first.
+                # Once per move; under graph capture this raises instead of racing each replay.
+                torch.cuda.current_stream(self._fused.device).synchronize()
         return self._fused
 
     def __call__(self, x: torch.Tensor, kernels: Kernels) -> tuple[torch.Tensor, ...]:

@@ -18,8 +18,8 @@ Rules that keep this correct, for every kernel launched with PDL:
 And one for callers: what a kernel reads before its wait (the GEMV's weight) must not be
 written by the kernel launched just before it. Model weights are written only when a checkpoint
 is loaded. The one exception is a ``FusedProjection`` moved to another device: it concatenates
-its weights again on the first forward after the move, right before its GEMV. So a moved model
-runs one forward (the engines' warm-up does) before it serves with the ``gpu`` set.
+its weights again on the first forward after the move, right before its GEMV, and so
+synchronises the stream after that concatenation.
 
 A kernel launched without PDL (cuBLAS, FlashInfer, torch) is ordered as usual; a PDL kernel
 after it simply starts when it ends. CUDA-graph capture records the launches as programmatic
