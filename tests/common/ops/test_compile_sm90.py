@@ -60,12 +60,15 @@ def _specs() -> dict[str, tuple[str, str, dict, dict]]:
                           dict(TOP_K=8, BLOCK_TOP=8, BLOCK_E=256, RENORM=True))
     specs["moe_gate_up"] = (moe, "_gate_up_kernel",
                             dict(x=P, stride_x=I32, ids="*i64", w=P, stride_we=I32,
-                                 stride_wn=I32, act=P, I=I32, H=I32),
+                                 stride_wn=I32, act=P, I=I32, H=I32, P=I32, sg=P, su=P,
+                                 stride_sn=I32, seg=P, sact=P, sgate=P, IS=I32),
                             dict(TOP_K=8, BLOCK_N=4, BLOCK_K=512, EVEN_K=True))
     specs["moe_down"] = (moe, "_down_kernel",
                          dict(act=P, ids="*i64", weights=P, w=P, stride_we=I32, stride_wn=I32,
-                              out="*fp32", H=I32, I=I32),
-                         dict(TOP_K=8, BLOCK_N=4, BLOCK_K=512, EVEN_K=True))
+                              out=P, H=I32, I=I32, sdown=P, stride_sdn=I32, sact=P, sgate=P,
+                              IS=I32),
+                         dict(TOP_K=8, BLOCK_N=4, BLOCK_K=512, EVEN_K=True, SHARED=True,
+                              BLOCK_KS=512, EVEN_KS=True))
     return specs
 
 

@@ -276,11 +276,13 @@ def test_linear(monkeypatch, rows):
 
 # ---- MoE ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tokens,experts,top_k,renorm", [(1, 30, 3, True), (3, 12, 4, False),
-                                                          (2, 7, 3, True)])
-def test_sparse_moe(monkeypatch, tokens, experts, top_k, renorm):
-    """Router, gate/up with SwiGLU and weighted down kernels, against the reference; the
-    capturable fallback made to fail, so these sizes must take the kernels."""
+@pytest.mark.parametrize("tokens,experts,top_k,renorm,shared", [
+    (1, 30, 3, True, 20), (3, 12, 4, False, 36), (2, 7, 3, True, None), (9, 30, 3, True, 20)])
+def test_sparse_moe(monkeypatch, tokens, experts, top_k, renorm, shared):
+    """Router, gate/up with SwiGLU and weighted down kernels, against the reference, with a
+    shared expert narrower or wider than the routed ones (in the kernels up to 8 tokens, through
+    the linear op beyond), or none; the capturable fallback made to fail, so these sizes must
+    take the kernels."""
     from common.ops.moe import capturable
 
     def fell_back(**kwargs):
@@ -288,12 +290,14 @@ def test_sparse_moe(monkeypatch, tokens, experts, top_k, renorm):
 
     monkeypatch.setattr(capturable, "sparse_moe", fell_back)
     g = _gen(60 + tokens)
-    hidden, inter, shared = 40, 24, 20
+    hidden, inter = 40, 24
     args = dict(x=rand(g, tokens, hidden), router_weight=rand(g, experts, hidden),
                 experts_gate_up=rand(g, experts, 2 * inter, hidden, scale=0.2),
                 experts_down=rand(g, experts, hidden, inter, scale=0.2), top_k=top_k,
-                norm_topk_prob=renorm, shared_gate_proj=rand(g, shared, hidden, scale=0.2),
-                shared_up_proj=rand(g, shared, hidden, scale=0.2),
-                shared_down_proj=rand(g, hidden, shared, scale=0.2),
-                shared_expert_gate=rand(g, 1, hidden))
+                norm_topk_prob=renorm)
+    if shared is not None:
+        args.update(shared_gate_proj=rand(g, shared, hidden, scale=0.2),
+                    shared_up_proj=rand(g, shared, hidden, scale=0.2),
+                    shared_down_proj=rand(g, hidden, shared, scale=0.2),
+                    shared_expert_gate=rand(g, 1, hidden))
     check(monkeypatch, "common.ops.moe.triton", "common.ops.moe.reference", "sparse_moe", args)
