@@ -3,18 +3,18 @@
 Every set maps registry op names to backend names; ops a set leaves out use "reference".
 
 - ``reference``: plain torch everywhere (CPU or GPU; the definition of the numbers).
-- ``gpu``: the fastest backends measured on H200 (docs/kernel_benchmarks.md): FlashInfer chunked GDN
-  prefill (128-dim heads; other head dims and fp32 go to fla), our Triton token recurrence
-  (faster than fla's at decode sizes), our Triton conv1d, our Triton steps on the state pool by
-  slot (the in-place decode step with its gates, the verify, and the commit of verified tokens:
-  no host read, so decode and verify forwards can be captured in CUDA graphs), FlashInfer paged
-  attention (fp16/bf16 with head dim 64/128/256; anything else goes to the reference), our
-  Triton DFLASH draft block attention.
+- ``gpu``: the fastest backends measured on H200 (docs/kernel_benchmarks.md): FlashInfer
+  chunked GDN prefill (128-dim heads; other head dims and fp32 go to fla), our Triton token
+  recurrence (faster than fla's at decode sizes), our Triton conv1d, our Triton steps on the
+  state pool by slot (the in-place decode step with its gates, the verify, and the commit of
+  verified tokens: no host read, so decode and verify forwards can be captured in CUDA graphs),
+  FlashInfer paged attention (fp16/bf16 with head dim 64/128/256; anything else goes to the
+  reference), our Triton DFLASH draft block attention. The GEMV and the norm, SwiGLU and
+  output-gate kernels launch as programmatic dependent launches (``common/ops/pdl.py``), so
+  each starts while the kernel before it finishes (5-6% off a batch-1 decode step on H200,
+  docs/performance.md).
 - ``gpu-fla``: as ``gpu`` but with fla's chunked prefill, for machines whose FlashInfer lacks
   the CuTe-DSL libraries its GDN kernels need.
-  The GEMV and the norm, SwiGLU and output-gate kernels launch as programmatic dependent
-  launches (``common/ops/pdl.py``), so each starts while the kernel before it finishes (6%
-  off a batch-1 decode step on H200, docs/performance.md).
 - ``gpu-no-pdl``: as ``gpu`` but those kernels launch plainly; the baseline that measures PDL.
 
 The GPU sets also use our Triton RMSNorm / gated RMSNorm, GDN gates and RoPE: one launch per
