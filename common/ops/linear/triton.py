@@ -117,14 +117,12 @@ def _dot_kernel(x, stride_xm, w, stride_wn, out, stride_om, M, N, K,
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + rk
+        wt = _load_chunk(w_rows, ks, K, EVEN_K, True)
+        # padded rows are zeroed here (the tile always has 16), unlike the GEMV's clamped rows
         if EVEN_K:
-            wt = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
             xt = tl.load(x_rows + ks[None, :], mask=m_ok[:, None], other=0.0)
         else:
-            k_ok = (ks < K)[None, :]
-            wt = tl.load(w_rows + ks[None, :], mask=k_ok, other=0.0,
-                         eviction_policy="evict_first")
-            xt = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+            xt = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
         else:

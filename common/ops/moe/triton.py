@@ -89,6 +89,21 @@ def _load(ptrs, ok, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _rows_dot(a_row, rows, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr):
+    """``rows . a`` for BLOCK_N weight rows (pointers at each row's start, [BLOCK_N, 1]) against
+    one K-vector ``a``, in fp32, unrounded -> [BLOCK_N]."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        k_ok = ks < K
+        a = _load(a_row + ks, k_ok, EVEN_K)[None, :]
+        acc += _load(rows + ks[None, :], k_ok[None, :], EVEN_K) * a
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _gate_up_kernel(x, stride_x, ids, w, stride_we, stride_wn, act, I, H, P,
                     sg, su, stride_sn, seg, sact, sgate, IS,
                     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -126,27 +141,10 @@ def _gate_up_kernel(x, stride_x, ids, w, stride_we, stride_wn, act, I, H, P,
     s = tl.math.div_rn(gv, 1.0 + _exp(-gv)).to(ty).to(tl.float32)
     tl.store(out + rn, (s * uv).to(ty), mask=n_ok)
     if shared and tl.program_id(1) == 0:
-        acc = tl.zeros((BLOCK_K,), tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            ks = k0 + rk
-            k_ok = ks < H
-            acc += _load(x_row + ks, k_ok, EVEN_K) * _load(seg + ks, k_ok, EVEN_K)
-        logit = tl.sum(acc, axis=0).to(ty).to(tl.float32)  # the gate projection's rounding
+        gate_row = seg + tl.zeros((1, 1), tl.int64)  # the gate projection's one weight row
+        logit = tl.sum(_rows_dot(x_row, gate_row, H, 1, BLOCK_K, EVEN_K), axis=0)
+        logit = logit.to(ty).to(tl.float32)  # the projection's rounding
         tl.store(sgate + t, tl.math.div_rn(1.0, 1.0 + _exp(-logit)).to(ty))
-
-
-@triton.jit
-def _down_rows(a_row, down, n_ok, I, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr):
-    """``down . a`` for BLOCK_N rows (pointers at each row's start), in fp32, unrounded."""
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        ks = k0 + rk
-        k_ok = ks < I
-        a = _load(a_row + ks, k_ok, EVEN_K)[None, :]
-        acc += _load(down + ks[None, :], k_ok[None, :], EVEN_K) * a
-    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -164,14 +162,14 @@ def _down_kernel(act, ids, weights, w, stride_we, stride_wn, out, H, I,
     for j in tl.static_range(TOP_K):
         pair = t * TOP_K + j
         down = w + tl.load(ids + pair) * stride_we + rows * stride_wn
-        y = _down_rows(act + pair * I, down, n_ok, I, BLOCK_N, BLOCK_K, EVEN_K)
+        y = _rows_dot(act + pair * I, down, I, BLOCK_N, BLOCK_K, EVEN_K)
         y = y.to(ty).to(tl.float32)  # the expert's output in the dtype
         total += y * tl.load(weights + pair).to(tl.float32)
     if SHARED:
         # the reference's shared expert: its down projection and the gate product each rounded
         # to the dtype, then added to the routed sum in fp32
-        y = _down_rows(sact + t * IS, sdown + rows * stride_sdn, n_ok, IS, BLOCK_N, BLOCK_KS,
-                       EVEN_KS).to(ty).to(tl.float32)
+        y = _rows_dot(sact + t * IS, sdown + rows * stride_sdn, IS, BLOCK_N, BLOCK_KS,
+                      EVEN_KS).to(ty).to(tl.float32)
         gate = tl.load(sgate + t).to(tl.float32)
         total += (gate * y).to(ty).to(tl.float32)
     tl.store(out + t * H + rn, total.to(out.dtype.element_ty), mask=n_ok)
