@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.graph_timing import us_per_call
 from benchmarks.shapes import shape_config
 from common.ops.linear.triton import GemvConfig, config_for, uses_triton
 from common.ops.linear.triton import linear as triton_linear
@@ -54,23 +55,7 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int, int]]:
 
 def time_calls(fn, weights, x) -> float:
     """Microseconds per call, ``REPEATS`` calls over the weight copies replayed from a graph."""
-    for w in weights[:2]:
-        fn(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(REPEATS):
-            fn(x, weights[i % len(weights)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / REPEATS)
-    return best
+    return us_per_call(lambda i: fn(x, weights[i % len(weights)]), REPEATS)
 
 
 def sweep_configs(rows: int) -> list[GemvConfig]:

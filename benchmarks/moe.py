@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.graph_timing import us_per_call
 from benchmarks.shapes import shape_config
 from common.ops.registry import default_registry
 
@@ -54,26 +55,8 @@ def bytes_read(cfg, tokens: int) -> int:
 
 def time_calls(fn, layers: list[dict], x: torch.Tensor, top_k: int) -> float:
     """Microseconds per call, ``REPEATS`` calls over the weight copies replayed from a graph."""
-    def call(w):
-        return fn(x=x, top_k=top_k, norm_topk_prob=True, **w)
-
-    for w in layers[:2]:
-        call(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for n in range(REPEATS):
-            call(layers[n % len(layers)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / REPEATS)
-    return best
+    return us_per_call(lambda i: fn(x=x, top_k=top_k, norm_topk_prob=True,
+                                    **layers[i % len(layers)]), REPEATS)
 
 
 def implementations(also: list[str]) -> dict:
