@@ -19,12 +19,18 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "GREEDY_TEMPERATURE",
     "SamplingParams",
     "Sampler",
     "filtered_probs",
     "make_generator",
     "stop_reason",
 ]
+
+
+# Temperatures below this sample as greedy, as in vLLM (``_SAMPLING_EPS``) and SGLang: dividing
+# logits by 1e-300 overflows fp32 to inf (and softmax to NaN) long before it means anything else.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _is_int(value: object) -> bool:
@@ -36,7 +42,8 @@ def _is_int(value: object) -> bool:
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    temperature: 0 means greedy (argmax), and so does anything below ``GREEDY_TEMPERATURE``;
+        otherwise logits are divided by it.
     top_p: nucleus size in (0, 1]; 1 is off.
     top_k: keep the k most likely tokens; 0 or -1 is off.
     min_p: drop tokens with probability < min_p * max probability; 0 is off.
@@ -79,8 +86,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when the request takes the argmax token (temperature 0)."""
-        return self.temperature == 0.0
+        """True when the request takes the argmax token (temperature 0 or below
+        ``GREEDY_TEMPERATURE``)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from common.cache.allocator import OutOfResources
+from common.engine.errors import StepFailed
 from common.engine.llm_engine import LLMEngine, TokenEvent
 from common.engine.loop import EngineLoop
 from common.engine.scheduler import RequestTooLarge
@@ -128,13 +129,28 @@ class DecodeEngine(EngineLoop):
         spec = e.speculator
         speculative = (spec is not None and "dflash_context" in res.staging
                        and h.speculative is not False)
-        scatter_prompt_state(e.kv_pool, e.state_pool, res.page_ids, res.slot, res.staging,
-                             spec.draft_pool if speculative else None)
-        res.staging = {}
+        key = str(h.handoff_id)
+        if key in e.requests:
+            self._free(res)
+            raise HandoffError("ALREADY_EXISTS", f"handoff {key} is already decoding")
+        try:
+            scatter_prompt_state(e.kv_pool, e.state_pool, res.page_ids, res.slot, res.staging,
+                                 spec.draft_pool if speculative else None)
+            event = e.admit_prefilled(key, list(h.prompt_ids), h.first_token, h.sampling,
+                                      res.page_ids, res.slot, speculative=speculative)
+        except Exception:
+            # the room is this call's again: free it before the caller hears of the failure
+            if not e.abort(key):  # abort frees what the registered request owned
+                self._free(res)
+            raise
+        finally:
+            res.staging = {}
         self.counters["admitted"] += 1
-        event = e.admit_prefilled(str(h.handoff_id), list(h.prompt_ids), h.first_token,
-                                  h.sampling, res.page_ids, res.slot, speculative=speculative)
         self._emit(event)
+
+    def _free(self, res: PoolReservation) -> None:
+        self.engine.kv_pool.allocator.free(res.page_ids)
+        self.engine.state_pool.allocator.free([res.slot])
 
     def _abort(self, handoff_id: int) -> bool:
         found = self.engine.abort(str(handoff_id))
@@ -154,6 +170,11 @@ class DecodeEngine(EngineLoop):
     def step(self) -> None:
         for event in self.engine.step():
             self._emit(event)
+
+    def on_step_failed(self, exc: StepFailed) -> None:
+        for request_id in exc.request_ids:
+            self.counters["finished"] += 1
+            self.sink(TokenEvent(request_id, -1, "error"))
 
     def on_fatal(self, exc: BaseException) -> None:
         for request_id in list(self.engine.requests):

@@ -8,7 +8,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from common.engine.llm_engine import LLMEngine
-from common.engine.loop import EngineLoop
+from common.engine.errors import StepFailed
+from common.engine.loop import EngineLoop, resolve
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.payload import HandoffPayload
 from common.handoff.pools import gather_prompt_state
@@ -48,7 +49,7 @@ class PrefillEngine(EngineLoop):
     def submit(self, job: PrefillJob) -> Future:
         result: Future = Future()
         self.call(self._add, job, result).add_done_callback(
-            lambda f: f.exception() and not result.done() and result.set_exception(f.exception()))
+            lambda f: f.exception() is not None and resolve(result, error=f.exception()))
         return result
 
     def release(self, handoff_id: int) -> Future:
@@ -73,7 +74,7 @@ class PrefillEngine(EngineLoop):
         entry = self._jobs.pop(key, None)
         if entry is not None:
             self.counters["aborted"] += 1
-            entry[1].set_exception(PrefillAborted(f"handoff {key} was aborted"))
+            resolve(entry[1], error=PrefillAborted(f"handoff {key} was aborted"))
         return found
 
     def has_work(self) -> bool:
@@ -83,21 +84,37 @@ class PrefillEngine(EngineLoop):
     def step(self) -> None:
         for event in self.engine.step():
             job, result = self._jobs.pop(event.request_id)
-            req = self.engine.requests[event.request_id]
-            spec = self.engine.speculator
-            fields = gather_prompt_state(
-                self.engine.kv_pool, self.engine.state_pool, req.page_ids, req.slot,
-                len(req.prompt_ids), spec.draft_pool if req.speculative else None)
-            self.counters["prefilled"] += 1
-            self.counters["prompt_tokens"] += len(req.prompt_ids)
-            result.set_result(HandoffPayload(
-                handoff_id=job.handoff_id, fingerprint=self.fingerprint, layout=self.layout,
-                prompt_ids=tuple(job.prompt_ids), first_token=event.token_id,
-                sampling=job.params, fields=fields, speculative=job.speculative,
-                request_id=job.request_id))
+            try:
+                payload = self._payload(job, event.token_id)
+            except Exception as exc:  # this request's gather failed: free it, serve the rest
+                log.exception("handoff %d: gathering the prompt state failed", job.handoff_id)
+                self.engine.release(event.request_id)
+                resolve(result, error=RuntimeError(f"gathering the prompt state failed: {exc}"))
+                continue
+            if not resolve(result, payload):  # its caller went away meanwhile
+                self.engine.release(event.request_id)
+
+    def _payload(self, job: PrefillJob, first_token: int) -> HandoffPayload:
+        req = self.engine.requests[str(job.handoff_id)]
+        spec = self.engine.speculator
+        fields = gather_prompt_state(
+            self.engine.kv_pool, self.engine.state_pool, req.page_ids, req.slot,
+            len(req.prompt_ids), spec.draft_pool if req.speculative else None)
+        self.counters["prefilled"] += 1
+        self.counters["prompt_tokens"] += len(req.prompt_ids)
+        return HandoffPayload(
+            handoff_id=job.handoff_id, fingerprint=self.fingerprint, layout=self.layout,
+            prompt_ids=tuple(job.prompt_ids), first_token=first_token,
+            sampling=job.params, fields=fields, speculative=job.speculative,
+            request_id=job.request_id)
+
+    def on_step_failed(self, exc: StepFailed) -> None:
+        for request_id in exc.request_ids:
+            entry = self._jobs.pop(request_id, None)
+            if entry is not None:
+                resolve(entry[1], error=RuntimeError(f"prefill failed: {exc.__cause__!r}"))
 
     def on_fatal(self, exc: BaseException) -> None:
         for _, result in self._jobs.values():
-            if not result.done():
-                result.set_exception(RuntimeError(f"prefill engine failed: {exc}"))
+            resolve(result, error=RuntimeError(f"prefill engine failed: {exc}"))
         self._jobs.clear()

@@ -49,6 +49,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.CANCELLED, str(exc))
             except ValueError as exc:  # e.g. a prompt larger than this worker's pool
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except RuntimeError as exc:  # this request's step failed; the engine serves on
+                await context.abort(grpc.StatusCode.INTERNAL, str(exc))
             held = True
             prefilled = time.perf_counter()
             finished = stop_reason(payload.first_token, 1, job.params, self.eos_token_ids)

@@ -66,8 +66,10 @@ def accept_sampled(drafts_row: torch.Tensor, logits_row: torch.Tensor, params: S
         residual = probs[i].clone()
         residual[token] = 0.0
         total = residual.sum()
-        if total <= 0:  # p put all its mass on the rejected token: cannot happen after u < p
-            raise RuntimeError("empty residual distribution in rejection sampling")
+        if not total > 0:
+            # p puts all its mass on the draft (u fell on p's rounding error below 1): keeping
+            # the draft is the only draw the distribution allows
+            continue
         bonus = torch.multinomial(residual / total, 1, generator=generator)
         return Acceptance(i, int(bonus))
     last = probs[len(drafts_row)]

@@ -11,6 +11,7 @@ import torch
 from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
 from common.engine.cuda_graph import CudaGraphConfig, GraphRunner
+from common.engine.errors import StepFailed, is_device_fault
 from common.engine.model_runner import ModelRunner
 from common.engine.overlap import InFlight, OverlapDecoder
 from common.engine.request import Request
@@ -110,6 +111,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._stepping: list[Request] = []  # requests of the step now running (for StepFailed)
 
     def _graphs_apply(self, token_cap: int | None) -> bool:
         """Whether this engine runs decode (and DFLASH) steps through graph runners
@@ -220,12 +222,46 @@ class LLMEngine:
         """Run one scheduled step; return the tokens it produced, in order per request.
 
         With overlap scheduling a plain decode step is launched and the tokens returned are
-        those of the step launched before it."""
+        those of the step launched before it.
+
+        Raises :class:`StepFailed` when the step raised for its requests: those requests are
+        ended with "error" and freed, every other request and the engine carry on. A device
+        fault (:func:`is_device_fault`) is raised as it is: the engine cannot go on."""
+        self._stepping = []
+        try:
+            return self._run_step()
+        except Exception as exc:
+            if is_device_fault(exc):
+                raise
+            log.exception("step failed for %d request(s)", len(self._stepping))
+            raise StepFailed(self._fail_stepping(), exc) from exc
+
+    def _fail_stepping(self) -> list[str]:
+        """End the requests of the failed step (and of a launched one) with "error"."""
+        victims = list(self._stepping)
+        if self.overlap is not None:
+            flight = self.overlap.take()
+            victims += flight.requests if flight is not None else []
+        failed = []
+        for r in dict.fromkeys(victims):
+            if self.requests.pop(r.request_id, None) is not None:
+                r.finish_reason = "error"
+                self.scheduler.release(r)
+                failed.append(r.request_id)
+        return failed
+
+    def _schedule(self) -> ScheduledStep | None:
+        step = self.scheduler.schedule()
+        if step is not None:
+            self._stepping += step.requests
+        return step
+
+    def _run_step(self) -> list[TokenEvent]:
         if self.overlap is None:
             return self._step()
         running = self.scheduler.running
         if running and not self.scheduler.waiting and self.overlap.can_launch(running):
-            step = self.scheduler.schedule()  # DECODE of every running request
+            step = self._schedule()  # DECODE of every running request
             return self._collect(self.overlap.launch(step.requests, self._sample_launched))
         return self._collect(self.overlap.take()) + self._step()
 
@@ -241,12 +277,13 @@ class LLMEngine:
         launched drop their extra token."""
         if step is None:
             return []
+        self._stepping += step.requests
         tokens = self.overlap.collect(step)
         return [self._append(r, tok) for r, tok in zip(step.requests, tokens)
                 if r.finish_reason is None]
 
     def _step(self) -> list[TokenEvent]:
-        step = self.scheduler.schedule()
+        step = self._schedule()
         if step is None:
             return []
         if step.mode == ForwardMode.DECODE and self.speculator is not None:

@@ -10,10 +10,28 @@ import logging
 from abc import ABC, abstractmethod
 import queue
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable
 
+from common.engine.errors import StepFailed
+
 log = logging.getLogger(__name__)
+
+
+def resolve(future: Future, value: Any = None, error: BaseException | None = None) -> bool:
+    """Settle ``future`` unless its caller has already given up on it (cancelled it, as
+    ``asyncio.wrap_future`` does when the awaiting task is cancelled). False if it was settled
+    before: a cancelled request must never raise on the engine thread."""
+    if future.done():
+        return False
+    try:
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:  # cancelled from another thread between the check and here
+        return False
+    return True
 
 
 class EngineLoop(ABC):
@@ -55,17 +73,24 @@ class EngineLoop(ABC):
     def step(self) -> None:
         """One unit of engine work, on the engine thread."""
 
+    def on_step_failed(self, exc: StepFailed) -> None:
+        """A step failed for ``exc.request_ids`` only (already ended and freed): tell their
+        callers."""
+
     def on_fatal(self, exc: BaseException) -> None:
-        """Called once if a step raises: the engine state can no longer be trusted."""
+        """Called once if a step raises anything but :class:`StepFailed`: the engine state (or
+        the device) can no longer be trusted."""
 
     def _run_command(self, item) -> None:
         fn, args, future = item
         if not future.set_running_or_notify_cancel():
             return
         try:
-            future.set_result(fn(*args))
+            value = fn(*args)
         except BaseException as exc:  # handed to the caller, not raised here
-            future.set_exception(exc)
+            resolve(future, error=exc)
+        else:
+            resolve(future, value)
 
     def _run(self) -> None:
         while not self._stopping.is_set():
@@ -80,6 +105,9 @@ class EngineLoop(ABC):
                 continue  # drain all pending commands before the next step
             try:
                 self.step()
+            except StepFailed as exc:
+                # those requests are ended and freed; the engine and the others go on
+                self.on_step_failed(exc)
             except BaseException as exc:
                 log.exception("engine step failed")
                 self.error = exc
@@ -93,4 +121,4 @@ class EngineLoop(ABC):
             except queue.Empty:
                 break
             if item:
-                item[2].set_exception(RuntimeError("engine stopped"))
+                resolve(item[2], error=RuntimeError("engine stopped"))

@@ -13,6 +13,7 @@ HANDOFF_ERROR_CODES = {
     "RESOURCE_EXHAUSTED": "the receiver cannot hold the payload now (pages, slots, byte limit)",
     "DATA_LOSS": "bytes are missing or a field's checksum differs",
     "NOT_FOUND": "the handoff id is unknown to the receiver",
+    "ALREADY_EXISTS": "a request with this handoff id is already decoding on the receiver",
     "ABORTED": "the request was aborted before or while its handoff arrived",
 }
 

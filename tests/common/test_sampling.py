@@ -190,3 +190,38 @@ def test_stop_reason():
     assert stop_reason(2, 1, ignore, eos) is None
     assert stop_reason(42, 1, ignore, eos) == "stop"
     assert stop_reason(2, 3, ignore, eos) == "length"
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-39, 1e-20, 9.9e-6])
+def test_tiny_temperatures_sample_as_greedy(temperature):
+    """Dividing by a temperature this small overflows fp32 (inf logits, NaN softmax)."""
+    logits = torch.randn(5, 97) * 30
+    params = [SamplingParams(temperature=temperature, top_p=0.9, top_k=7, min_p=0.1)] * 5
+    assert all(p.is_greedy for p in params)
+    gens = [make_generator(i, "cpu") for i in range(5)]
+    assert torch.equal(Sampler().sample(logits, params, gens), logits.argmax(-1))
+    probs = filtered_probs(logits, params)
+    assert torch.isfinite(probs).all()
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and torch.all(probs.max(-1).values == 1)
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-3, 1e300])
+def test_small_and_huge_temperatures_give_finite_distributions(temperature):
+    logits = torch.randn(3, 50) * 1e4
+    for extra in ({}, {"top_p": 0.5}, {"top_k": 3}, {"min_p": 0.9}):
+        params = SamplingParams(temperature=temperature, **extra)
+        probs = filtered_probs(logits, params)
+        assert torch.isfinite(probs).all() and (probs >= 0).all()
+        assert torch.allclose(probs.sum(-1), torch.ones(3))
+        Sampler().sample(logits, [params] * 3, [None] * 3)  # draws without raising
+
+
+def test_rejection_sampling_at_tiny_temperature_is_greedy():
+    from common.engine.acceptance import accept_sampled
+
+    logits = torch.randn(4, 31) * 5
+    choice = logits.argmax(-1)
+    drafts = choice[:3].clone()
+    drafts[2] = (choice[2] + 1) % 31  # the third draft is wrong
+    out = accept_sampled(drafts, logits, SamplingParams(temperature=1e-300), None)
+    assert (out.num_accepted, out.bonus) == (2, int(choice[2]))

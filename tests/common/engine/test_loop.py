@@ -54,3 +54,52 @@ def test_a_failed_step_stops_the_engine_and_fails_later_calls():
     assert not loop.is_alive and isinstance(loop.error, RuntimeError)
     with pytest.raises(RuntimeError, match="stopped"):
         loop.call(lambda: None).result(1)  # answered at once, not left waiting
+
+
+def test_a_cancelled_future_never_raises_on_the_engine_thread():
+    """What ``asyncio.wrap_future`` does to a future whose awaiting task is cancelled."""
+    from concurrent.futures import Future
+
+    from common.engine.loop import resolve
+
+    loop = Counting()
+    loop.start()
+    try:
+        given_up: Future = Future()
+        given_up.cancel()
+        assert loop.call(resolve, given_up, 1).result(5) is False
+        assert loop.call(resolve, given_up, None, RuntimeError("x")).result(5) is False
+        fresh: Future = Future()
+        assert loop.call(resolve, fresh, 7).result(5) is True and fresh.result() == 7
+        assert loop.is_alive
+    finally:
+        loop.stop()
+
+
+def test_a_step_failed_for_its_requests_keeps_the_engine_running():
+    from common.engine.errors import StepFailed
+
+    class FailingOnce(Counting):
+        def __init__(self) -> None:
+            super().__init__()
+            self.failed: list[list[str]] = []
+
+        def step(self) -> None:
+            super().step()
+            if self.steps == 2:
+                raise StepFailed(["a", "b"], ValueError("bad row"))
+
+        def on_step_failed(self, exc: StepFailed) -> None:
+            self.failed.append(exc.request_ids)
+
+    loop = FailingOnce()
+    loop.start()
+    try:
+        loop.call(loop.add, 4).result(5)
+        for _ in range(100):
+            if loop.call(lambda: loop.steps).result(5) == 4:
+                break
+        assert loop.call(lambda: loop.steps).result(5) == 4
+        assert loop.failed == [["a", "b"]] and loop.is_alive and not loop.fatal.is_set()
+    finally:
+        loop.stop()

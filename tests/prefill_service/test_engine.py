@@ -1,0 +1,87 @@
+"""The prefill engine thread: cancelled callers and failing requests never end it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+from common.engine.scheduler import SchedulerConfig
+from common.handoff.layout import LayoutDescriptor
+from common.model.load import load_model
+from common.sampling import SamplingParams
+from prefill_service.engine import PrefillEngine, PrefillJob
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny")
+
+
+@pytest.fixture
+def engine(model):
+    llm = LLMEngine(model, EngineConfig(
+        cache=CacheConfig(page_size=4, num_pages=64, num_slots=8), hold_after_prefill=True,
+        scheduler=SchedulerConfig(max_prefill_tokens=3, reserve_output_tokens=False)))
+    engine = PrefillEngine(llm, LayoutDescriptor.from_model(model.config, 4, model.dtype), "fp")
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def full(engine: PrefillEngine) -> bool:
+    load = engine.load()
+    return load["free_pages"] == load["total_pages"] and load["free_slots"] == load["total_slots"]
+
+
+def job(handoff_id: int, n: int = 9) -> PrefillJob:
+    return PrefillJob(handoff_id=handoff_id, prompt_ids=tuple(range(1, n + 1)), params=GREEDY)
+
+
+def test_cancelled_waiters_leave_the_engine_serving(engine):
+    """Each await is cancelled the way a deadline cancels a servicer: the engine's future is
+    cancelled under it, at every point of the prefill (queued, mid-chunk, done)."""
+
+    async def cancel_after(handoff_id: int, delay: float) -> None:
+        task = asyncio.ensure_future(asyncio.wrap_future(engine.submit(job(handoff_id))))
+        await asyncio.sleep(delay)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if handoff_id % 2:
+            # what the servicer does for a request not yet held; the even ones model the abort
+            # arriving only after the engine has finished the prefill
+            engine.abort(handoff_id)
+
+    async def scenario() -> None:
+        await asyncio.gather(*[cancel_after(i + 1, 0.0005 * i) for i in range(24)])
+
+    asyncio.run(scenario())
+    payload = engine.submit(job(1000)).result(30)  # still serving
+    engine.release(1000).result(5)
+    assert payload.first_token >= 0 and engine.is_alive
+    for _ in range(200):
+        if full(engine):
+            break
+        engine.call(lambda: None).result(5)
+    assert full(engine)
+
+
+def test_a_request_whose_step_fails_gets_an_error_and_the_next_one_runs(engine):
+    real_run = engine.engine.runner.run
+    calls = []
+
+    def fail_once(step):
+        calls.append(step)
+        if len(calls) == 1:
+            raise ValueError("kernel refused the batch")
+        return real_run(step)
+
+    engine.call(setattr, engine.engine.runner, "run", fail_once).result(5)
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        engine.submit(job(7)).result(30)
+    payload = engine.submit(job(8)).result(30)
+    engine.release(8).result(5)
+    assert payload.first_token >= 0 and engine.is_alive and full(engine)
