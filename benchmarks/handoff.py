@@ -6,7 +6,12 @@ prompt lengths 128..32k, and prints the rate next to a plain in-memory copy of t
 The model itself is not run: the decode side holds real pools and a weightless (meta) model, so
 what is timed is exactly the handoff (chunking, gRPC, checksums, validation, landing in pools).
 
-    .venv/bin/python -m benchmarks.handoff [--shapes tiny,qwen3.5-4b] [--out out/handoff.json]
+Then, in the same run, the byte path beneath it (``benchmarks/byte_path.py``): raw TCP loopback
+against gRPC client streams of 1/4/16 MiB messages on 1/2/4 streams, protobuf-built against
+pre-encoded messages, the copies per message and CRC-32C against CRC-32; its table is last.
+
+    .venv/bin/python -m benchmarks.handoff [--shapes tiny,qwen3.5-4b] [--byte-path-mib 128]
+        [--out out/handoff.json]
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import byte_path
 from benchmarks.shapes import SHAPES, shape_config
 from common.config import ModelConfig
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
@@ -135,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="out/handoff.json")
+    p.add_argument("--byte-path-mib", type=float, default=128,
+                   help="MiB per transfer in the byte-path measurement (0: skip it)")
+    p.add_argument("--byte-path-only", action="store_true",
+                   help="measure only the byte path, not whole handoffs")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--num-pages", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -143,19 +153,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
-    for shape in args.shapes.split(","):
-        rows += run_shape(shape, lengths, args.repeats)
+    if not args.byte_path_only:
+        for shape in args.shapes.split(","):
+            rows += run_shape(shape, lengths, args.repeats)
+    transport = (byte_path.run(args.byte_path_mib, max(args.repeats, 7))
+                 if args.byte_path_mib > 0 else None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
-    print(f"{'shape':<12} {'prompt':>7} {'MiB':>9} {'handoff ms':>11} {'MB/s':>8} "
-          f"{'memcpy MB/s':>12} {'x memcpy':>9}")
-    for r in rows:
-        print(f"{r['shape']:<12} {r['prompt_len']:>7} {r['bytes'] / 2**20:>9.2f} "
-              f"{r['handoff_s'] * 1e3:>11.1f} {r['handoff_MBps']:>8.0f} "
-              f"{r['memcpy_MBps']:>12.0f} {r['slowdown_vs_memcpy']:>9.1f}")
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows,
+                               "byte_path": transport}, indent=2))
+    if rows:
+        raw = transport["raw_tcp_GBps"] * 1e3 if transport else None
+        for r in rows:
+            r["x_raw_tcp"] = r["handoff_MBps"] / raw if raw else None
+        print_rows(rows)
+    if transport is not None:
+        byte_path.print_tables(transport)
     print(f"wrote {out}")
     return 0
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'shape':<12} {'prompt':>7} {'MiB':>9} {'handoff ms':>11} {'MB/s':>8} "
+          f"{'memcpy MB/s':>12} {'x memcpy':>9} {'x raw TCP':>9}")
+    for r in rows:
+        x_raw = "" if r.get("x_raw_tcp") is None else f"{r['x_raw_tcp']:.2f}"
+        print(f"{r['shape']:<12} {r['prompt_len']:>7} {r['bytes'] / 2**20:>9.2f} "
+              f"{r['handoff_s'] * 1e3:>11.1f} {r['handoff_MBps']:>8.0f} "
+              f"{r['memcpy_MBps']:>12.0f} {r['slowdown_vs_memcpy']:>9.1f} {x_raw:>9}")
 
 
 if __name__ == "__main__":

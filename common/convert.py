@@ -14,6 +14,7 @@ from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.manifest import FieldSpec
 from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, TrailerPart
+from common.limits import check_request_id, unique_stop_token_ids
 from common.load_report import LoadReport
 from common.pb.flashsplit.v1 import decode_pb2, types_pb2
 from common.sampling import SamplingParams
@@ -69,12 +70,13 @@ def sampling_to_pb(params: SamplingParams,
 def sampling_from_pb(msg: types_pb2.SamplingParams) -> SamplingParams:
     """Set fields as given, unset ones at ``SamplingParams``' defaults.
 
-    Presence, not value, decides: an explicit ``temperature: 0`` stays 0 (greedy). Raises
-    ``ValueError`` for values ``SamplingParams`` rejects.
+    Presence, not value, decides: an explicit ``temperature: 0`` stays 0 (greedy). Stop ids are
+    de-duplicated (first occurrence kept). Raises ``ValueError`` for values ``SamplingParams``
+    rejects and for more than ``common.limits.MAX_STOP_TOKEN_IDS`` distinct stop ids.
     """
     kwargs = {name: getattr(msg, name) for name in _SAMPLING_SCALARS if msg.HasField(name)}
     if msg.stop_token_ids:
-        kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
+        kwargs["stop_token_ids"] = unique_stop_token_ids(msg.stop_token_ids)
     return SamplingParams(**kwargs)
 
 
@@ -146,12 +148,12 @@ def handoff_part_to_pb(part: HandoffPart) -> decode_pb2.HandoffMessage:
         return decode_pb2.HandoffMessage(header=decode_pb2.HandoffHeader(
             handoff_id=part.handoff_id, model_fingerprint=part.fingerprint,
             layout=layout_to_pb(part.layout), prompt_len=part.prompt_len,
-            first_token=part.first_token, prompt_token_ids=list(part.prompt_ids),
+            prompt_token_ids=list(part.prompt_ids),
             sampling=sampling_to_pb(part.sampling, part.speculative),
             manifest=manifest_to_bytes(part.manifest), request_id=part.request_id))
     if isinstance(part, TrailerPart):
         return decode_pb2.HandoffMessage(trailer=decode_pb2.HandoffTrailer(
-            crc32=dict(part.checksums)))
+            crc32=dict(part.checksums), first_token=part.first_token))
     raise TypeError(f"not a handoff part: {type(part)!r}")
 
 
@@ -162,7 +164,9 @@ def handoff_part_from_pb(msg: decode_pb2.HandoffMessage) -> HandoffPart:
         c = msg.chunk
         return ChunkPart(field=c.field, layer=c.layer, offset=c.offset, data=c.data)
     if kind == "trailer":
-        return TrailerPart(checksums=dict(msg.trailer.crc32))
+        t = msg.trailer
+        return TrailerPart(checksums=dict(t.crc32),
+                           first_token=t.first_token if t.HasField("first_token") else None)
     if kind != "header":
         raise HandoffError("INVALID_ARGUMENT", "handoff message carries no part")
     h = msg.header
@@ -175,9 +179,13 @@ def handoff_part_from_pb(msg: decode_pb2.HandoffMessage) -> HandoffPart:
         sampling = sampling_from_pb(h.sampling)
     except ValueError as err:
         raise HandoffError("INVALID_ARGUMENT", f"bad sampling settings: {err}") from None
+    try:
+        check_request_id(h.request_id)
+    except ValueError as err:
+        raise HandoffError("INVALID_ARGUMENT", str(err)) from None
     return HeaderPart(
         handoff_id=h.handoff_id, fingerprint=h.model_fingerprint, layout=layout_from_pb(h.layout),
-        prompt_ids=tuple(h.prompt_token_ids), first_token=h.first_token, sampling=sampling,
+        prompt_ids=tuple(h.prompt_token_ids), sampling=sampling,
         manifest=manifest_from_bytes(h.manifest), speculative=speculative_from_pb(h.sampling),
         request_id=h.request_id)
 
@@ -189,7 +197,7 @@ def load_report_to_pb(report: LoadReport) -> types_pb2.LoadReport:
         model_fingerprint=report.model_fingerprint, free_pages=report.free_pages,
         total_pages=report.total_pages, free_slots=report.free_slots,
         total_slots=report.total_slots, queue_len=report.queue_len, running=report.running,
-        counters=dict(report.counters))
+        counters=dict(report.counters), max_request_tokens=report.max_request_tokens)
 
 
 def load_report_from_pb(msg: types_pb2.LoadReport) -> LoadReport:
@@ -200,4 +208,5 @@ def load_report_from_pb(msg: types_pb2.LoadReport) -> LoadReport:
         kind=_KIND_FROM_PB[msg.kind], address=msg.address,
         model_fingerprint=msg.model_fingerprint, free_pages=msg.free_pages,
         total_pages=msg.total_pages, free_slots=msg.free_slots, total_slots=msg.total_slots,
-        queue_len=msg.queue_len, running=msg.running, counters=dict(msg.counters))
+        queue_len=msg.queue_len, running=msg.running, counters=dict(msg.counters),
+        max_request_tokens=msg.max_request_tokens)

@@ -24,6 +24,8 @@ class LoadReport:
     queue_len: int = 0
     running: int = 0
     counters: dict[str, int] = field(default_factory=dict)
+    # the longest request the worker's pool could ever hold, in tokens (0 = not reported)
+    max_request_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in WORKER_KINDS:

@@ -26,8 +26,12 @@ class Tokenizer(ABC):
     """
 
     @abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token names in the text become their ids."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special-token names in the text become their ids.
+
+        add_special_tokens=False leaves out what the tokenizer's post-processor would add (a
+        BOS, say): a rendered chat template has written its special tokens already.
+        """
 
     @abstractmethod
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -67,7 +71,7 @@ class ByteTokenizer(Tokenizer):
     _SPECIAL_IDS = {name: i for i, name in SPECIAL_TOKENS.items()}
     _SPECIAL_RE = re.compile("(" + "|".join(re.escape(n) for n in SPECIAL_TOKENS.values()) + ")")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = []
         # Splitting on the names mirrors how `tokenizers` treats added special tokens, so a
         # prompt containing "<|endoftext|>" means the same to both tokenizer kinds.
@@ -183,8 +187,8 @@ class HFTokenizer(Tokenizer):
                 bos = ids[0] if ids else None
         self._bos = bos
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -274,7 +278,7 @@ class TokenIdsOnly(Tokenizer):
     def bos_token_id(self) -> int | None:
         return None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         raise ValueError(f"model {self.path!r} has no tokenizer.json: send token ids, not text")
 
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:

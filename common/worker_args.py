@@ -12,6 +12,7 @@ import torch
 from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.llm_engine import CacheConfig, EngineConfig
 from common.lifecycle import die_with_parent_if_asked
+from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig
 
 
@@ -34,6 +35,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per DFLASH step (default: the draft's own block_size)")
     add_kernel_args(p)
     add_cuda_graph_args(p)
+    add_security_args(p)
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="on SIGTERM, seconds running requests get to finish before they end "
+                        "with finish reason ABORT")
     p.add_argument("--log-level", default="INFO")
 
 

@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from common.grpc_util import serve_until_signal
+from common.security import Security, security_from_args
 from common.worker_args import add_worker_args, build_engine, setup_process
 from decode_service.server import build_decode_service
 
 SERVICE_NAME = "flashsplit.v1.Decode"
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, security: Security) -> int:
+    """Serve until SIGTERM/SIGINT (0) or until the engine thread dies (non-zero)."""
+    server_security = security.internal_server()
     llm, layout, fingerprint = build_engine(args, prefill=False)
     service = build_decode_service(llm, layout, fingerprint, host=args.host, port=args.port,
-                                   max_handoff_bytes=args.max_handoff_bytes)
+                                   max_handoff_bytes=args.max_handoff_bytes,
+                                   security=server_security)
     try:
-        await serve_until_signal(service.server, service.health, [SERVICE_NAME],
-                                 f"flashsplit-decode listening on {service.address}")
+        return await serve_until_signal(
+            service.server, service.health, [SERVICE_NAME],
+            f"flashsplit-decode listening on {service.address}", grace=args.grace,
+            shutdown=service.shutdown, engine=service.engine)
     finally:
         service.engine.stop()
 
@@ -31,8 +38,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest handoff payload accepted")
     args = parser.parse_args(argv)
     setup_process(args.log_level)
-    asyncio.run(serve(args))
-    return 0
+    try:
+        security = security_from_args(args, os.environ)
+        security.internal_server()  # its flag combinations are checked before the model loads
+    except ValueError as exc:  # a flag or file the caller got wrong
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(args, security))
+    except OSError as exc:  # e.g. the port is in use
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ batching over them on its own thread. Imports no grpc."""
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import Future
 from typing import Callable
 
@@ -16,50 +15,12 @@ from common.engine.llm_engine import LLMEngine, TokenEvent
 from common.engine.loop import EngineLoop
 from common.engine.scheduler import RequestTooLarge
 from common.handoff.errors import HandoffError
-from common.handoff.layout import to_dtype
 from common.handoff.parts import HeaderPart
-from common.handoff.pools import scatter_prompt_state
+from decode_service.reservation import PoolReservation
 
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[TokenEvent], None]
-
-
-class PoolReservation:
-    """Pages and a state slot held for one arriving handoff, with CPU staging for its bytes.
-
-    Bytes land in staging tensors and are copied into the pools on the engine thread at
-    admission: the engine thread is then the only writer of pool memory, and a handoff that
-    fails half-way never touches it. ``release`` is idempotent.
-    """
-
-    def __init__(self, engine: LLMEngine, header: HeaderPart, page_ids: list[int],
-                 slot: int) -> None:
-        self._engine = engine
-        self.header = header
-        self.page_ids = page_ids
-        self.slot = slot
-        self.staging = {name: torch.empty(spec.shape, dtype=to_dtype(spec.dtype))
-                        for name, spec in header.manifest.items()}
-        self.owned = True  # False once admitted (the request owns the room) or released
-        # NOTE: admission (engine thread) and release (a cancelled handler) can race; whoever
-        # takes ownership first under this lock wins, so pages never have two owners.
-        self.lock = threading.Lock()
-
-    def destination(self, field: str, layer: int) -> torch.Tensor:
-        return self.staging[field][layer]
-
-    def commit(self) -> None:
-        """Every byte arrived and checked; admission (on the engine thread) follows."""
-
-    def release(self) -> None:
-        with self.lock:
-            if not self.owned:
-                return
-            self.owned = False
-        self._engine.kv_pool.allocator.free(self.page_ids)
-        self._engine.state_pool.allocator.free([self.slot])
-        self.staging = {}
 
 
 class DecodeEngine(EngineLoop):
@@ -72,8 +33,14 @@ class DecodeEngine(EngineLoop):
         self.counters = {"admitted": 0, "finished": 0, "aborted": 0, "generated_tokens": 0}
 
     # --- any thread ---
-    def reserve(self, header: HeaderPart) -> PoolReservation:
-        """Hold room for a handoff (thread-safe) or raise RESOURCE_EXHAUSTED."""
+    def reserve(self, header: HeaderPart) -> Future:
+        """A future of the :class:`PoolReservation` for a handoff's header, taken on the engine
+        thread; it fails with RESOURCE_EXHAUSTED (no room) or FAILED_PRECONDITION (a draft
+        context this worker's draft cannot use)."""
+        return self.call(self._reserve, header)
+
+    # --- engine thread ---
+    def _reserve(self, header: HeaderPart) -> PoolReservation:
         e = self.engine
         self._check_draft_context(header)
         try:
@@ -90,7 +57,19 @@ class DecodeEngine(EngineLoop):
         except OutOfResources as exc:
             e.kv_pool.allocator.free(page_ids)
             raise HandoffError("RESOURCE_EXHAUSTED", str(exc)) from None
-        return PoolReservation(e, header, page_ids, slot)
+        speculate = e.speculator is not None and header.speculative is not False
+        after = None
+        if e.kv_pool.kv.device.type == "cuda":
+            after = torch.cuda.Event()
+            after.record()
+        return PoolReservation(
+            header, page_ids, slot, kv=e.kv_pool.kv, conv=e.state_pool.conv,
+            ssm=e.state_pool.ssm, draft_kv=e.speculator.draft_pool.kv if speculate else None,
+            free=lambda ids, s: self.call(self._free_room, ids, s), after=after)
+
+    def _free_room(self, page_ids: list[int], slot: int) -> None:
+        self.engine.kv_pool.allocator.free(page_ids)
+        self.engine.state_pool.allocator.free([slot])
 
     def _check_draft_context(self, header: HeaderPart) -> None:
         """A draft context must fit this worker's draft exactly (the same draft on both sides)."""
@@ -108,8 +87,9 @@ class DecodeEngine(EngineLoop):
                 f"{str(pool.dtype).removeprefix('torch.')}{list(expected)}: the prefill worker "
                 "runs a different draft")
 
-    def admit(self, reservation: PoolReservation) -> Future:
-        return self.call(self._admit, reservation)
+    def admit(self, reservation: PoolReservation, first_token: int) -> Future:
+        """Start decoding a handoff whose bytes have all landed (a future of None)."""
+        return self.call(self._admit, reservation, first_token)
 
     def abort(self, handoff_id: int) -> Future:
         return self.call(self._abort, handoff_id)
@@ -118,39 +98,30 @@ class DecodeEngine(EngineLoop):
         """A load snapshot, read from the calling thread: never waits for a step."""
         return self.engine.load()
 
-    # --- engine thread ---
-    def _admit(self, res: PoolReservation) -> None:
+    def _admit(self, res: PoolReservation, first_token: int) -> None:
         with res.lock:
             if not res.owned:
                 raise HandoffError("ABORTED", f"handoff {res.header.handoff_id} was released")
             res.owned = False  # from here the request owns its pages and slot
         h = res.header
         e = self.engine
-        spec = e.speculator
-        speculative = (spec is not None and "dflash_context" in res.staging
-                       and h.speculative is not False)
         key = str(h.handoff_id)
         if key in e.requests:
-            self._free(res)
+            self._free_room(res.page_ids, res.slot)
             raise HandoffError("ALREADY_EXISTS", f"handoff {key} is already decoding")
+        if res.copied is not None:
+            torch.cuda.current_stream().wait_event(res.copied)  # the bytes are in the pools
         try:
-            scatter_prompt_state(e.kv_pool, e.state_pool, res.page_ids, res.slot, res.staging,
-                                 spec.draft_pool if speculative else None)
-            event = e.admit_prefilled(key, list(h.prompt_ids), h.first_token, h.sampling,
-                                      res.page_ids, res.slot, speculative=speculative)
+            event = e.admit_prefilled(key, list(h.prompt_ids), first_token, h.sampling,
+                                      res.page_ids, res.slot,
+                                      speculative=res.has_draft_context)
         except Exception:
             # the room is this call's again: free it before the caller hears of the failure
             if not e.abort(key):  # abort frees what the registered request owned
-                self._free(res)
+                self._free_room(res.page_ids, res.slot)
             raise
-        finally:
-            res.staging = {}
         self.counters["admitted"] += 1
         self._emit(event)
-
-    def _free(self, res: PoolReservation) -> None:
-        self.engine.kv_pool.allocator.free(res.page_ids)
-        self.engine.state_pool.allocator.free([res.slot])
 
     def _abort(self, handoff_id: int) -> bool:
         found = self.engine.abort(str(handoff_id))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -13,9 +14,12 @@ from common.engine.llm_engine import LLMEngine, TokenEvent
 from common.grpc_util import abort_if_engine_stopped, bind, make_server
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
-from common.handoff.parts import HeaderPart
+from common.handoff.parts import ChunkPart, HeaderPart
 from common.handoff.stream import HandoffAssembler
+from common.limits import request_capacity_tokens
 from common.load_report import LoadReport
+from common.security import ServerSecurity
+from common.shutdown import GracefulShutdown
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from decode_service.engine import DecodeEngine
 from decode_service.streams import TokenStreams
@@ -25,23 +29,41 @@ log = logging.getLogger(__name__)
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: DecodeEngine, streams: TokenStreams, layout: LayoutDescriptor,
-                 fingerprint: str, address: str, max_handoff_bytes: int) -> None:
+                 fingerprint: str, address: str, max_handoff_bytes: int,
+                 shutdown: GracefulShutdown | None = None) -> None:
         self.engine = engine
+        self.shutdown = shutdown or GracefulShutdown("decode worker")
         self.streams = streams
         self.layout = layout
         self.fingerprint = fingerprint
         self.address = address
         self.max_handoff_bytes = max_handoff_bytes
         self.counters = {"handoffs_received": 0, "handoffs_refused": 0, "handoff_bytes": 0}
+        # lands chunk bytes (checksum, copy into the pools); a handler awaits each of its own
+        # chunks, so the writes of one handoff never run at the same time
+        self.writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="handoff-writer")
 
-    def _reserve(self, header: HeaderPart):
+    async def _reserve(self, header: HeaderPart):
+        """Room for a checked header, taken on the engine thread."""
         if self.streams.is_aborted(header.handoff_id):
             raise HandoffError("ABORTED", f"handoff {header.handoff_id} was aborted")
-        return self.engine.reserve(header)
+        future = self.engine.reserve(header)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # the engine may be taking the room right now: give it back once it has
+            future.add_done_callback(_release_if_reserved)
+            raise
+
+    async def _freed(self) -> None:
+        """Wait until room given back so far is free again: frees run as engine commands, in
+        order, so a status answered after this finds the pools as they will stay."""
+        await asyncio.wrap_future(self.engine.call(lambda: None))
 
     async def Handoff(self, request_iterator, context):
         assembler = HandoffAssembler(self.layout, self.fingerprint, self.max_handoff_bytes,
-                                     self._reserve)
+                                     reserve=None)
+        loop = asyncio.get_running_loop()
         reservation = None
         try:
             async for message in request_iterator:
@@ -49,22 +71,31 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     part = convert.handoff_part_from_pb(message)
                 except ValueError as exc:
                     raise HandoffError("INVALID_ARGUMENT", str(exc)) from None
-                assembler.on_part(part)
+                if isinstance(part, HeaderPart):
+                    assembler.check_header(part)
+                    assembler.start(part, await self._reserve(part))
+                    # room is held: only now does the sender prefill and write the payload
+                    yield decode_pb2.HandoffReply(
+                        accepted=decode_pb2.HandoffAccepted(handoff_id=part.handoff_id))
+                    continue
                 header = assembler.header
                 if header is not None and self.streams.is_aborted(header.handoff_id):
                     raise HandoffError("ABORTED", f"handoff {header.handoff_id} was aborted")
-                if isinstance(part, HeaderPart):
-                    # room is held: only now does the sender write the payload
-                    yield decode_pb2.HandoffReply(
-                        accepted=decode_pb2.HandoffAccepted(handoff_id=part.handoff_id))
+                if isinstance(part, ChunkPart):
+                    # checksum and copy off the event loop: other handoffs and token streams
+                    # share it
+                    await loop.run_in_executor(self.writer, assembler.on_chunk, part)
+                else:
+                    assembler.on_part(part)
             # DATA_LOSS if the stream ended before the trailer; else the verified reservation
             reservation = assembler.on_end()
-            await asyncio.wrap_future(self.engine.admit(reservation))
+            await asyncio.wrap_future(self.engine.admit(reservation, assembler.first_token))
         except HandoffError as exc:
             self.counters["handoffs_refused"] += 1
             if reservation is not None:
                 reservation.release()
             assembler.abort()
+            await self._freed()
             log.info("handoff refused: %s", exc)
             if assembler.header is not None:
                 # NOTE: the sender is mid-payload; ending the call under its writes would make
@@ -92,7 +123,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finished = False
         try:
             while not finished:
-                events: list[TokenEvent] = [await queue.get()]
+                try:
+                    with self.shutdown.cancelled_at_expiry():
+                        first = await queue.get()
+                except asyncio.CancelledError:
+                    if not self.shutdown.expired.is_set():
+                        raise
+                    # the shutdown grace is over: end with ABORT; the finally frees the request
+                    yield decode_pb2.TokenEvent(finish_reason=convert.finish_reason_to_pb("abort"),
+                                                error=self.shutdown.message)
+                    return
+                events: list[TokenEvent] = [first]
                 while not queue.empty():  # coalesce what the engine produced meanwhile
                     events.append(queue.get_nowait())
                 tokens = [e.token_id for e in events if e.token_id >= 0]
@@ -129,7 +170,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # DFLASH totals (spec_steps, spec_committed_tokens, spec_drafted_tokens) appear only
             # on a worker with a draft; mean acceptance = committed / steps
             counters={**{k: v for k, v in load.items() if k.startswith("spec_")},
-                      **self.engine.counters, **self.counters}))
+                      **self.engine.counters, **self.counters},
+            max_request_tokens=request_capacity_tokens(self.engine.engine)))
+
+
+def _release_if_reserved(future: Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().release()
 
 
 @dataclass
@@ -140,6 +187,7 @@ class DecodeService:
     health: object
     engine: DecodeEngine
     address: str
+    shutdown: GracefulShutdown
 
     async def stop(self) -> None:
         await self.server.stop(0)
@@ -148,15 +196,19 @@ class DecodeService:
 
 def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: str, *,
                          host: str = "127.0.0.1", port: int = 0,
-                         max_handoff_bytes: int = 8 << 30) -> DecodeService:
-    """Engine thread (started), token streams and servicer on a bound server. Call from the
-    event loop that will serve it: the streams post engine events to that loop."""
+                         max_handoff_bytes: int = 8 << 30,
+                         security: ServerSecurity = ServerSecurity()) -> DecodeService:
+    """Engine thread (started), token streams and servicer on a bound server that demands
+    ``security`` (docs/security.md). Call from the event loop that will serve it: the streams
+    post engine events to that loop. Raises OSError when the port cannot be bound."""
+    # bound first: a port in use fails here, before an engine thread exists
+    shutdown = GracefulShutdown("decode worker")
+    server, health = make_server([*security.interceptors(), shutdown.interceptor()])
+    address = bind(server, host, port, security.credentials())
     streams = TokenStreams(asyncio.get_running_loop())
     engine = DecodeEngine(llm, streams.post)
     engine.start()
-    server, health = make_server()
-    address = bind(server, host, port)
     decode_pb2_grpc.add_DecodeServicer_to_server(
         DecodeServicer(engine, streams, layout, fingerprint, address,
-                       max_handoff_bytes=max_handoff_bytes), server)
-    return DecodeService(server, health, engine, address)
+                       max_handoff_bytes=max_handoff_bytes, shutdown=shutdown), server)
+    return DecodeService(server, health, engine, address, shutdown)

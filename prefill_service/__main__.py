@@ -4,25 +4,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from common.grpc_util import bind, make_server, serve_until_signal
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
+from common.security import Security, security_from_args
+from common.shutdown import GracefulShutdown
 from common.worker_args import add_worker_args, build_engine, setup_process
 from prefill_service.engine import PrefillEngine
-from prefill_service.handoff_sender import HandoffSender
+from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
+from prefill_service.state_reader import StateReader
 from prefill_service.server import PrefillServicer
 
 SERVICE_NAME = "flashsplit.v1.Prefill"
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, security: Security) -> int:
+    """Serve until SIGTERM/SIGINT (0) or until the engine thread dies (non-zero)."""
+    server_security = security.internal_server()
+    shutdown = GracefulShutdown("prefill worker")
+    # bound before the model loads: a port in use fails at once, not after minutes of loading
+    server, health = make_server([*server_security.interceptors(), shutdown.interceptor()])
+    address = bind(server, args.host, args.port, server_security.credentials())
     llm, layout, fingerprint = build_engine(args, prefill=True)
     engine = PrefillEngine(llm, layout, fingerprint)
     engine.start()
-    sender = HandoffSender()
-    server, health = make_server()
-    address = bind(server, args.host, args.port)
+    # the token goes with every handoff: decode workers take handoffs from cluster members only
+    reader = StateReader(*engine.pools, chunk_bytes=args.handoff_chunk_bytes)
+    sender = HandoffSender(reader, security=security.internal_channel())
     servicer = PrefillServicer(engine, sender, address, llm.model.config.vocab_size,
                                llm.eos_token_ids)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
@@ -31,8 +41,9 @@ async def serve(args: argparse.Namespace) -> None:
         await sender.close()
 
     try:
-        await serve_until_signal(server, health, [SERVICE_NAME],
-                                 f"flashsplit-prefill listening on {address}", on_stop)
+        return await serve_until_signal(server, health, [SERVICE_NAME],
+                                        f"flashsplit-prefill listening on {address}", on_stop,
+                                        args.grace, shutdown=shutdown, engine=engine)
     finally:
         engine.stop()
 
@@ -40,10 +51,21 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashsplit-prefill", description=__doc__)
     add_worker_args(parser)
+    parser.add_argument("--handoff-chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                        help="largest handoff message payload (default: %(default)s)")
     args = parser.parse_args(argv)
     setup_process(args.log_level)
-    asyncio.run(serve(args))
-    return 0
+    try:
+        security = security_from_args(args, os.environ)
+        security.internal_server()  # its flag combinations are checked before the model loads
+    except ValueError as exc:  # a flag or file the caller got wrong
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(args, security))
+    except OSError as exc:  # e.g. the port is in use
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

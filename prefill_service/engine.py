@@ -1,18 +1,20 @@
 """The prefill worker's engine: batches prompts, prefills them (in chunks), samples the first
-token and gathers each request's state for handoff. Runs on its own thread; imports no grpc."""
+token, and reports after every step which part of each request's state is final, so that the
+handoff streams it while the next chunk computes. Runs on its own thread; imports no grpc."""
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 from common.engine.llm_engine import LLMEngine
 from common.engine.errors import StepFailed
 from common.engine.loop import EngineLoop, resolve
 from common.handoff.layout import LayoutDescriptor
-from common.handoff.payload import HandoffPayload
-from common.handoff.pools import gather_prompt_state
 from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -31,9 +33,36 @@ class PrefillJob:
     speculative: bool | None = None
 
 
+@dataclass(frozen=True)
+class StateReady:
+    """Part of a request's prompt state that is now final in the pools (the sender reads it).
+
+    KV (and draft context) pages ``[0, num_pages)`` of ``page_ids`` are complete; once
+    ``first_token`` is set the whole prompt is done, the GDN state of ``slot`` is final and
+    nothing more follows. ``ready`` (a GPU) marks the end of the step that wrote it: reads wait
+    for it, on a stream of their own, so the engine thread never waits for a copy.
+    """
+
+    page_ids: tuple[int, ...]
+    slot: int
+    num_pages: int
+    speculative: bool
+    first_token: int | None = None
+    ready: torch.cuda.Event | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.first_token is not None
+
+
+ReadySink = Callable[[StateReady], None]
+
+
 class PrefillEngine(EngineLoop):
-    """``submit`` returns a future of the request's :class:`HandoffPayload`; the request keeps
-    its pages and slot until ``release`` (after the decode side acknowledged, or on failure)."""
+    """``submit`` returns a future of the request's first token and reports each step's progress
+    to the job's sink as :class:`StateReady` (on the engine thread: the sink must only hand it
+    on). The request keeps its pages and slot until ``release`` (after the decode side
+    acknowledged, or on failure)."""
 
     def __init__(self, engine: LLMEngine, layout: LayoutDescriptor, fingerprint: str) -> None:
         super().__init__("prefill-engine")
@@ -42,13 +71,14 @@ class PrefillEngine(EngineLoop):
         self.engine = engine
         self.layout = layout
         self.fingerprint = fingerprint
-        self._jobs: dict[str, tuple[PrefillJob, Future]] = {}
+        self._jobs: dict[str, tuple[PrefillJob, Future, ReadySink]] = {}
+        self._reported: dict[str, int] = {}  # pages already reported per request
         self.counters = {"prefilled": 0, "prompt_tokens": 0, "aborted": 0}
 
     # --- called from any thread ---
-    def submit(self, job: PrefillJob) -> Future:
+    def submit(self, job: PrefillJob, sink: ReadySink = lambda ready: None) -> Future:
         result: Future = Future()
-        self.call(self._add, job, result).add_done_callback(
+        self.call(self._add, job, result, sink).add_done_callback(
             lambda f: f.exception() is not None and resolve(result, error=f.exception()))
         return result
 
@@ -62,16 +92,26 @@ class PrefillEngine(EngineLoop):
         """A load snapshot, read from the calling thread: never waits for a step."""
         return {**self.engine.load(), "queue_len": len(self._jobs)}
 
+    @property
+    def pools(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``kv``, ``conv``, ``ssm`` and the draft's ``kv`` pool tensors (None without a draft):
+        what a sender reads a :class:`StateReady` from."""
+        e = self.engine
+        draft = e.speculator.draft_pool.kv if e.speculator is not None else None
+        return e.kv_pool.kv, e.state_pool.conv, e.state_pool.ssm, draft
+
     # --- engine thread ---
-    def _add(self, job: PrefillJob, result: Future) -> None:
+    def _add(self, job: PrefillJob, result: Future, sink: ReadySink) -> None:
         key = str(job.handoff_id)
         self.engine.add_request(list(job.prompt_ids), job.params, request_id=key,
                                 speculative=job.speculative)
-        self._jobs[key] = (job, result)
+        self._jobs[key] = (job, result, sink)
+        self._reported[key] = 0
 
     def _abort(self, key: str) -> bool:
         found = self.engine.abort(key)
         entry = self._jobs.pop(key, None)
+        self._reported.pop(key, None)
         if entry is not None:
             self.counters["aborted"] += 1
             resolve(entry[1], error=PrefillAborted(f"handoff {key} was aborted"))
@@ -82,39 +122,53 @@ class PrefillEngine(EngineLoop):
         return self.engine.has_work()
 
     def step(self) -> None:
-        for event in self.engine.step():
-            job, result = self._jobs.pop(event.request_id)
-            try:
-                payload = self._payload(job, event.token_id)
-            except Exception as exc:  # this request's gather failed: free it, serve the rest
-                log.exception("handoff %d: gathering the prompt state failed", job.handoff_id)
-                self.engine.release(event.request_id)
-                resolve(result, error=RuntimeError(f"gathering the prompt state failed: {exc}"))
+        events = {e.request_id: e.token_id for e in self.engine.step()}
+        ready = None
+        if self.engine.kv_pool.kv.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        page_size = self.engine.kv_pool.page_size
+        for req in self.engine.last_step_requests:
+            key = req.request_id
+            entry = self._jobs.get(key)
+            if entry is None:
                 continue
-            if not resolve(result, payload):  # its caller went away meanwhile
-                self.engine.release(event.request_id)
+            job, result, sink = entry
+            first = events.get(key)
+            pages = (-(-len(req.prompt_ids) // page_size) if first is not None
+                     else req.num_cached // page_size)
+            if first is None and pages == self._reported[key]:
+                continue  # this chunk completed no page
+            self._reported[key] = pages
+            try:
+                sink(StateReady(tuple(req.page_ids), req.slot, pages, req.speculative,
+                                first, ready))
+            except Exception as exc:  # the sink's owner is gone: end this request only
+                log.exception("handoff %s: reporting progress failed", key)
+                self._finish(key)
+                resolve(result, error=RuntimeError(f"reporting prefill progress failed: {exc}"))
+                self.engine.release(key)
+                continue
+            if first is not None:
+                self._finish(key)
+                self.counters["prefilled"] += 1
+                self.counters["prompt_tokens"] += len(req.prompt_ids)
+                if not resolve(result, first):  # its caller went away meanwhile
+                    self.engine.release(key)
 
-    def _payload(self, job: PrefillJob, first_token: int) -> HandoffPayload:
-        req = self.engine.requests[str(job.handoff_id)]
-        spec = self.engine.speculator
-        fields = gather_prompt_state(
-            self.engine.kv_pool, self.engine.state_pool, req.page_ids, req.slot,
-            len(req.prompt_ids), spec.draft_pool if req.speculative else None)
-        self.counters["prefilled"] += 1
-        self.counters["prompt_tokens"] += len(req.prompt_ids)
-        return HandoffPayload(
-            handoff_id=job.handoff_id, fingerprint=self.fingerprint, layout=self.layout,
-            prompt_ids=tuple(job.prompt_ids), first_token=first_token,
-            sampling=job.params, fields=fields, speculative=job.speculative,
-            request_id=job.request_id)
+    def _finish(self, key: str) -> None:
+        self._jobs.pop(key, None)
+        self._reported.pop(key, None)
 
     def on_step_failed(self, exc: StepFailed) -> None:
         for request_id in exc.request_ids:
             entry = self._jobs.pop(request_id, None)
+            self._reported.pop(request_id, None)
             if entry is not None:
                 resolve(entry[1], error=RuntimeError(f"prefill failed: {exc.__cause__!r}"))
 
     def on_fatal(self, exc: BaseException) -> None:
-        for _, result in self._jobs.values():
+        for _, result, _ in self._jobs.values():
             resolve(result, error=RuntimeError(f"prefill engine failed: {exc}"))
         self._jobs.clear()
+        self._reported.clear()

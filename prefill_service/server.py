@@ -14,9 +14,13 @@ import grpc
 
 from common import convert
 from common.grpc_util import abort_if_engine_stopped
+from common.limits import check_request_id, request_capacity_tokens
 from common.load_report import LoadReport
 from common.sampling import stop_reason
 from common.pb.flashsplit.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
+from common.handoff.layout import dtype_name
+from common.handoff.manifest import REQUIRED_FIELDS, FieldSpec
+from common.handoff.parts import HeaderPart
 from prefill_service.engine import PrefillAborted, PrefillEngine, PrefillJob
 from prefill_service.handoff_sender import HandoffSender
 
@@ -32,7 +36,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.address = address
         self.vocab_size = vocab_size
         self._tasks: dict[int, asyncio.Task] = {}
-        self.counters = {"handoffs_sent": 0, "handoffs_failed": 0}
+        self.counters = {"handoffs_sent": 0, "handoffs_failed": 0, "handoff_bytes": 0}
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         start = time.perf_counter()
@@ -41,49 +45,95 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"handoff {job.handoff_id} is already being prefilled")
         self._tasks[job.handoff_id] = asyncio.current_task()
-        held = False
+        try:
+            return await self._prefill(job, request.decode_address, start, context)
+        finally:
+            self._tasks.pop(job.handoff_id, None)
+
+    async def _prefill(self, job: PrefillJob, decode_address: str, start: float,
+                       context) -> prefill_pb2.PrefillResponse:
+        """Open the handoff (decode reserves room), then prefill while streaming the state."""
+        handoff = self.sender.stream(decode_address, self._header(job))
+        submitted = pump = None
         try:
             try:
-                payload = await asyncio.wrap_future(self.engine.submit(job))
+                await handoff.open()
+            except grpc.aio.AioRpcError as exc:
+                # decode refused before anything was computed: pass its own status through
+                self.counters["handoffs_failed"] += 1
+                await context.abort(exc.code(), f"handoff to {decode_address} failed: "
+                                                f"{exc.details()}")
+            opened = time.perf_counter()
+            loop = asyncio.get_running_loop()
+            ready_parts: asyncio.Queue = asyncio.Queue()
+            submitted = asyncio.wrap_future(self.engine.submit(
+                job, lambda ready: loop.call_soon_threadsafe(ready_parts.put_nowait, ready)))
+            pump = asyncio.create_task(handoff.run(ready_parts))
+            await asyncio.wait({submitted, pump}, return_when=asyncio.FIRST_COMPLETED)
+            if pump.done() and pump.exception() is not None:
+                await self._handoff_failed(pump.exception(), decode_address, context)
+            try:
+                first_token = await submitted
             except PrefillAborted as exc:
                 await context.abort(grpc.StatusCode.CANCELLED, str(exc))
             except ValueError as exc:  # e.g. a prompt larger than this worker's pool
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except RuntimeError as exc:  # this request's step failed; the engine serves on
                 await context.abort(grpc.StatusCode.INTERNAL, str(exc))
-            held = True
             prefilled = time.perf_counter()
-            finished = stop_reason(payload.first_token, 1, job.params, self.eos_token_ids)
+            timings = dict(queue_s=opened - start, prefill_s=prefilled - opened)
+            finished = stop_reason(first_token, 1, job.params, self.eos_token_ids)
             if finished is not None:
-                # nothing left to decode: skip the handoff, the router ends the request here
+                # nothing left to decode: drop the handoff (decode frees its room), the router
+                # ends the request here
                 return prefill_pb2.PrefillResponse(
-                    handoff_id=job.handoff_id, first_token=payload.first_token,
-                    prompt_len=payload.prompt_len,
-                    timings=prefill_pb2.PrefillTimings(prefill_s=prefilled - start),
+                    handoff_id=job.handoff_id, first_token=first_token,
+                    prompt_len=len(job.prompt_ids),
+                    timings=prefill_pb2.PrefillTimings(**timings),
                     finish_reason=convert.finish_reason_to_pb(finished))
             try:
-                await self.sender.send(request.decode_address, payload)
+                await pump
             except grpc.aio.AioRpcError as exc:
-                self.counters["handoffs_failed"] += 1
-                # pass decode's refusal through with its own status; unreachable -> UNAVAILABLE
-                await context.abort(exc.code(), f"handoff to {request.decode_address} failed: "
-                                                f"{exc.details()}")
+                await self._handoff_failed(exc, decode_address, context)
             self.counters["handoffs_sent"] += 1
-            done = time.perf_counter()
+            self.counters["handoff_bytes"] += handoff.bytes_sent
             return prefill_pb2.PrefillResponse(
-                handoff_id=job.handoff_id, first_token=payload.first_token,
-                prompt_len=payload.prompt_len,
-                timings=prefill_pb2.PrefillTimings(prefill_s=prefilled - start,
-                                                   handoff_s=done - prefilled))
-        except asyncio.CancelledError:
-            # the router went away or aborted: a request still in the engine must not linger
-            if not held:
-                self.engine.abort(job.handoff_id)
-            raise
+                handoff_id=job.handoff_id, first_token=first_token,
+                prompt_len=len(job.prompt_ids),
+                timings=prefill_pb2.PrefillTimings(
+                    **timings, handoff_s=time.perf_counter() - prefilled))
         finally:
-            self._tasks.pop(job.handoff_id, None)
-            if held:
-                self.engine.release(job.handoff_id)
+            if pump is not None and not pump.done():
+                pump.cancel()
+            handoff.cancel()  # a no-op once the call ended; else decode frees its room
+            if submitted is not None:
+                # whatever happened, the engine holds nothing for this request afterwards
+                # (abort frees a queued, running or held request alike)
+                self.engine.abort(job.handoff_id)
+
+    async def _handoff_failed(self, exc: BaseException, decode_address: str, context) -> None:
+        self.counters["handoffs_failed"] += 1
+        if isinstance(exc, grpc.aio.AioRpcError):
+            # pass decode's refusal through with its own status; unreachable -> UNAVAILABLE
+            await context.abort(exc.code(), f"handoff to {decode_address} failed: "
+                                            f"{exc.details()}")
+        await context.abort(grpc.StatusCode.INTERNAL, f"handoff to {decode_address} failed: "
+                                                      f"{exc!r}")
+
+    def _header(self, job: PrefillJob) -> HeaderPart:
+        layout = self.engine.layout
+        manifest = {name: FieldSpec(layout.field_dtype(name),
+                                    layout.field_shape(name, len(job.prompt_ids)))
+                    for name in REQUIRED_FIELDS}
+        draft_kv = self.engine.pools[3]
+        if draft_kv is not None and self.engine.engine.wants_speculation(job.speculative):
+            pages = layout.num_pages(len(job.prompt_ids))
+            manifest["dflash_context"] = FieldSpec(
+                dtype_name(draft_kv.dtype), (draft_kv.shape[0], 2, pages, *draft_kv.shape[3:]))
+        return HeaderPart(handoff_id=job.handoff_id, fingerprint=self.engine.fingerprint,
+                          layout=layout, prompt_ids=tuple(job.prompt_ids), sampling=job.params,
+                          manifest=manifest, speculative=job.speculative,
+                          request_id=job.request_id)
 
     async def _validate(self, request, context) -> PrefillJob:
         if request.handoff_id == 0:
@@ -97,7 +147,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                 f"(size {self.vocab_size})")
         if not request.decode_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address is empty")
+        capacity = request_capacity_tokens(self.engine.engine)
+        if len(request.prompt_token_ids) > capacity:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt of {len(request.prompt_token_ids)} tokens; this "
+                                f"worker's pool holds at most {capacity}")
         try:
+            check_request_id(request.request_id)
             params = convert.sampling_from_pb(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -123,4 +179,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             kind="prefill", address=self.address, model_fingerprint=self.engine.fingerprint,
             free_pages=load["free_pages"], total_pages=load["total_pages"],
             free_slots=load["free_slots"], total_slots=load["total_slots"],
-            queue_len=load["queue_len"], running=load["running"], counters=counters))
+            queue_len=load["queue_len"], running=load["running"], counters=counters,
+            max_request_tokens=request_capacity_tokens(self.engine.engine)))

@@ -1,6 +1,7 @@
 """``flashsplit-router``: the public gRPC front of a set of prefill and decode workers.
 
-Prints ``flashsplit-router listening on HOST:PORT`` once it serves, and stops cleanly (health
+Prints ``flashsplit-router listening on HOST:PORT`` once it serves (after ``flashsplit-router
+serves OpenAI HTTP on http://HOST:PORT`` with ``--http-port``), and stops cleanly (health
 NOT_SERVING, running requests given a grace period) on SIGTERM or SIGINT.
 """
 
@@ -9,12 +10,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+from collections.abc import Mapping
 
 from common.lifecycle import die_with_parent_if_asked
+from common.security import (add_api_key_args, add_security_args, api_key_from,
+                             security_from_args)
 from router.client import ClientConfig
 from router.dispatch import DispatchConfig
+from router.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_PROMPT_BYTES, RequestLimits
+from router.openai_api.config import HttpConfig
 from router.registry import RegistryConfig
 from router.server import Router, RouterConfig
 
@@ -34,20 +41,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=int, default=DispatchConfig.max_attempts,
                    help="worker pairs tried per request before giving up")
     p.add_argument("--grace", type=float, default=5.0,
-                   help="seconds running requests get to finish on shutdown")
+                   help="on SIGTERM, seconds running requests get to finish before they end "
+                        "with finish reason ABORT")
+    p.add_argument("--worker-backoff-max", type=float, default=RegistryConfig.backoff_max_s,
+                   help="longest wait, in seconds, before a down worker is polled again")
+    p.add_argument("--max-prompt-tokens", type=int, default=0,
+                   help="longest prompt accepted, in tokens (0: what the workers' pools hold)")
+    p.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
+                   help="longest text prompt accepted, in UTF-8 bytes")
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest request message accepted on the public gRPC port")
+    add_security_args(p)
+    add_api_key_args(p)
+    p.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                   help="also serve the OpenAI-compatible HTTP API on this port, same host "
+                        "(0 = any free port; default: no HTTP API)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name HTTP clients send and see (default: --model)")
     p.add_argument("--log-level", default="INFO")
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> RouterConfig:
+def config_from_args(args: argparse.Namespace,
+                     environ: Mapping[str, str] = os.environ) -> RouterConfig:
+    """The router's settings; ValueError (or SystemExit) on a caller's mistake."""
     if not args.prefill or not args.decode:
         raise SystemExit("error: give at least one --prefill and one --decode address")
+    security = security_from_args(args, environ)
     return RouterConfig(
         model=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
         host=args.host, port=args.port,
-        registry=RegistryConfig(poll_interval_s=args.poll_interval),
+        registry=RegistryConfig(poll_interval_s=args.poll_interval,
+                                backoff_max_s=args.worker_backoff_max),
         clients=ClientConfig(), dispatch=DispatchConfig(max_attempts=args.max_attempts),
-        grace_s=args.grace)
+        grace_s=args.grace, internal=security.internal_channel(),
+        public=security.public_server(api_key_from(args, environ),
+                                      client_cert=not args.public_no_client_cert),
+        http=None if args.http_port is None else HttpConfig(
+            host=args.host, port=args.http_port, served_model_name=args.served_model_name),
+        limits=RequestLimits(max_prompt_tokens=args.max_prompt_tokens,
+                             max_prompt_bytes=args.max_prompt_bytes,
+                             max_message_bytes=args.max_message_bytes))
 
 
 async def serve(config: RouterConfig) -> None:
@@ -57,6 +91,10 @@ async def serve(config: RouterConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     address = await router.start()
+    if router.http_address is not None:
+        # before the ready line, so whoever waits for that one knows both addresses
+        print(f"flashsplit-router serves OpenAI HTTP on http://{router.http_address}",
+              flush=True)
     print(f"flashsplit-router listening on {address}", flush=True)
     try:
         await stop.wait()
@@ -76,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # e.g. the port is in use
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,13 +1,16 @@
-"""The ``flashsplit`` command: ``generate`` (in process or through a router), ``up``, ``demo``."""
+"""The ``flashsplit`` command: ``generate`` (in process or through a router), ``up``, ``demo``,
+``bench``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from common.sampling import SamplingParams
+from common.security import add_client_args, client_channel_from
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--router", metavar="ADDR", default=None,
                      help="host:port of a flashsplit router; the router tokenizes, so --model, "
                           "--device and --dtype are not used")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="with --router: end the text before this string (repeatable)")
     gen.add_argument("--timeout", type=float, default=600.0,
                      help="seconds the whole call may take (with --router)")
     gen.add_argument("--draft", default=None,
@@ -74,11 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per DFLASH step (default: the draft's)")
     gen.add_argument("--speculative", choices=("auto", "on", "off"), default="auto",
                      help="speculative decoding for this request (auto: when a draft is there)")
+    add_client_args(gen.add_argument_group("with --router: the router port's API key and TLS"))
 
     up = sub.add_parser("up", help="start prefill and decode workers and a router on this host")
     up.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (built in)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=0, help="the router's port; 0 = any free port")
+    up.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                    help="the router also serves the OpenAI-compatible HTTP API on this port "
+                         "(0 = any free port; default: no HTTP API)")
     up.add_argument("--prefill-workers", type=int, default=1)
     up.add_argument("--decode-workers", type=int, default=1)
     up.add_argument("--device", default=None,
@@ -91,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="passed to every worker")
     up.add_argument("--start-timeout", type=float, default=600.0,
                     help="seconds each process may take to become ready")
+    up.add_argument("--grace", type=float, default=5.0,
+                    help="on SIGINT/SIGTERM, seconds running requests get to finish before "
+                         "they end with finish reason ABORT (also each process's --grace)")
+    up.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="passed to the router (default: what the workers' pools hold)")
     up.add_argument("--quiet", action="store_true", help="do not echo the processes' logs")
     # Modules that serve the workers; tests point them at fakes that speak the same protocol.
     up.add_argument("--prefill-module", default="prefill_service", help=argparse.SUPPRESS)
@@ -99,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="generate a few prompts on the built-in model")
     add_model_args(demo)
     demo.add_argument("--max-new-tokens", type=int, default=24)
+
+    from router.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -138,6 +156,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     if args.router is not None:
         return generate_remote(args, params)
+    if args.stop:
+        raise ValueError("--stop is matched by the router: use it with --router")
     tokenizer = load_tokenizer(args.model, allow_missing=True)
     prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None \
         else tokenizer.encode(args.prompt)
@@ -163,16 +183,18 @@ def generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
     speculative = speculative_choice(args)
     if args.prompt_ids is not None:
         req = request_to_pb(token_ids=parse_ids(args.prompt_ids), params=params,
-                            speculative=speculative)
+                            speculative=speculative, stop=args.stop)
     else:
-        req = request_to_pb(text=args.prompt, params=params, speculative=speculative)
+        req = request_to_pb(text=args.prompt, params=params, speculative=speculative,
+                            stop=args.stop)
 
     def show(text: str) -> None:
         print(text, end="", flush=True)
 
     try:
         out = asyncio.run(generate(args.router, req, timeout_s=args.timeout,
-                                   on_text=None if args.json else show))
+                                   on_text=None if args.json else show,
+                                   security=client_channel_from(args, os.environ)))
     except grpc.aio.AioRpcError as exc:
         if not args.json:
             print()
@@ -202,19 +224,26 @@ def cluster_config_from_args(args: argparse.Namespace):
         if getattr(args, flag.lstrip("-").replace("-", "_")):
             worker_args.append(flag)
     devices = tuple(d for d in (args.device or "").split(",") if d)
+    router_args = (() if args.max_prompt_tokens is None
+                   else ("--max-prompt-tokens", str(args.max_prompt_tokens)))
     return ClusterConfig(model=args.model, host=args.host, router_port=args.port,
                          num_prefill=args.prefill_workers, num_decode=args.decode_workers,
                          worker_args=tuple(worker_args), devices=devices,
+                         router_args=router_args, grace_s=args.grace,
                          start_timeout_s=args.start_timeout, echo_logs=not args.quiet,
-                         prefill_module=args.prefill_module, decode_module=args.decode_module)
+                         prefill_module=args.prefill_module, decode_module=args.decode_module,
+                         router_http_port=args.http_port)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Run a local cluster until SIGINT/SIGTERM; exit 1 if the router dies."""
+    """Run a local cluster until SIGINT/SIGTERM, restarting workers that exit or stop serving
+    (router/supervisor.py); exit 1 if the router dies."""
+    import asyncio
     import signal
     import threading
 
     from router.cluster import Cluster, ClusterError
+    from router.supervisor import Supervisor
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -227,18 +256,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     try:
         print(f"router listening on {cluster.router_address}", flush=True)
-        reported: set[int] = set()
-        while not stop.wait(0.5):
-            if not cluster.router.alive():
-                print(f"error: the router exited with status {cluster.router.popen.returncode}",
-                      file=sys.stderr)
-                return 1
-            for w in cluster.workers:
-                if not w.alive() and w.pid not in reported:
-                    reported.add(w.pid)
-                    print(f"warning: {w.name} ({w.address}) exited with status "
-                          f"{w.popen.returncode}", file=sys.stderr, flush=True)
-        return 0
+        if cluster.router.http_address:
+            print(f"OpenAI-compatible HTTP API on {cluster.http_url}/v1", flush=True)
+        for w in cluster.workers:
+            print(f"{w.name} on {w.address} (pid {w.pid})", flush=True)
+        return asyncio.run(Supervisor(cluster).run(stop))
     finally:
         cluster.stop()
 
@@ -250,9 +272,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     kernels=args.kernels)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from router.bench.cli import cmd_bench as run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo}[args.command]
+    handler = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo,
+               "bench": cmd_bench}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -13,9 +13,10 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.channels import ChannelSecurity, make_channel
 from common.convert import finish_reason_from_pb, load_report_from_pb, sampling_to_pb
-from common.grpc_util import CHANNEL_OPTIONS
 from common.load_report import LoadReport
 from common.pb.flashsplit.v1 import (decode_pb2, decode_pb2_grpc, prefill_pb2,
                                      prefill_pb2_grpc, types_pb2)
@@ -128,19 +129,22 @@ class DecodeStream:
 
 
 class WorkerClients:
-    """Stubs for every worker address, over one cached channel per address."""
+    """Stubs for every worker address, over one cached channel per address; every call
+    carries ``security``'s internal token (and TLS)."""
 
-    def __init__(self, config: ClientConfig = ClientConfig()) -> None:
+    def __init__(self, config: ClientConfig = ClientConfig(),
+                 security: ChannelSecurity = ChannelSecurity()) -> None:
         self.config = config
+        self.security = security
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            # NOTE: these options turn on keepalive pings (the workers' servers accept them), so
-            # a stream to a host that vanished without closing its sockets fails instead of
-            # hanging.
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            # NOTE: make_channel's options turn on keepalive pings (the workers' servers accept
+            # them), so a stream to a host that vanished without closing its sockets fails
+            # instead of hanging.
+            channel = make_channel(address, self.security)
             self._channels[address] = channel
         return channel
 
@@ -148,14 +152,29 @@ class WorkerClients:
         return own if deadline_s is None else max(min(own, deadline_s), 0.001)
 
     async def get_load(self, address: str, kind: str) -> LoadReport:
+        """The worker's load report; WorkerCallError when it does not answer, or when its
+        health service says NOT_SERVING (it is draining for a shutdown, or its engine died),
+        so that the registry sends it no work however well its load looks."""
         ch = self._channel(address)
         stub = (prefill_pb2_grpc.PrefillStub(ch) if kind == "prefill"
                 else decode_pb2_grpc.DecodeStub(ch))
-        try:
-            msg = await stub.GetLoad(types_pb2.LoadRequest(), timeout=self.config.load_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise _error(exc, address, f"{kind}.GetLoad") from None
-        return load_report_from_pb(msg)
+        load, status = await asyncio.gather(
+            stub.GetLoad(types_pb2.LoadRequest(), timeout=self.config.load_timeout_s),
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                 timeout=self.config.load_timeout_s),
+            return_exceptions=True)
+        if isinstance(load, grpc.aio.AioRpcError):
+            raise _error(load, address, f"{kind}.GetLoad") from None
+        if isinstance(load, BaseException):
+            raise load
+        # a worker without a health service (or one that fails the check) is judged by its
+        # load report alone
+        if (not isinstance(status, BaseException)
+                and status.status != health_pb2.HealthCheckResponse.SERVING):
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+            raise WorkerCallError(address, "Health.Check", grpc.StatusCode.UNAVAILABLE,
+                                  f"health is {name}")
+        return load_report_from_pb(load)
 
     async def prefill(self, address: str, call: PrefillCall,
                       deadline_s: float | None = None) -> PrefillResult:

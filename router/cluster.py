@@ -22,9 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from common.auth import new_secret
+from common.channels import ChannelSecurity, make_channel
+from common.grpc_util import bind_problem
 from common.lifecycle import PARENT_PID_ENV
+from common.security import TOKEN_ENV, TOKEN_FILE_ENV
 
 _LISTENING = re.compile(r"^(\S+) listening on (\S+:\d+)\s*$")
+# the router's HTTP API (--http-port), announced before its ready line
+_HTTP_LISTENING = re.compile(r"^\S+ serves OpenAI HTTP on http://(\S+:\d+)\s*$")
 # The directory holding the router package, so children import this checkout's code.
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -49,14 +55,24 @@ class ClusterConfig:
     worker_args: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    # the router's OpenAI-compatible HTTP API: None = not served, 0 = any free port
+    router_http_port: int | None = None
     # Modules run with ``python -m``; tests substitute fake workers that speak the same protocol.
     prefill_module: str = "prefill_service"
     decode_module: str = "decode_service"
     router_module: str = "router"
     start_timeout_s: float = 600.0
     stop_grace_s: float = 10.0
+    # --grace of every process (None: their default); stop() then waits at least that long,
+    # plus a margin, before it kills one
+    grace_s: float | None = None
+    # the router polls a down worker at least this often, so that one restarted on its address
+    # (router/supervisor.py) is back in rotation within seconds
+    worker_backoff_max_s: float = 2.0
     echo_logs: bool = False
     stderr_tail_lines: int = 40
+    # the internal token every process gets; None: a new random one for each Cluster
+    internal_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -71,6 +87,8 @@ class ManagedProcess:
     name: str            # e.g. "prefill-0"
     popen: subprocess.Popen
     address: str = ""
+    http_address: str = ""  # the router's HTTP API, when it serves one
+    args: tuple[str, ...] = ()  # what it was started with, after the interpreter
     _ready: threading.Event = field(default_factory=threading.Event, repr=False)
     _stderr: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200),
                                        repr=False)
@@ -81,6 +99,10 @@ class ManagedProcess:
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def ready(self) -> bool:
+        """Whether it has printed its ready line."""
+        return self._ready.is_set()
 
     def stderr_tail(self, lines: int = 40) -> str:
         return "\n".join(list(self._stderr)[-lines:])
@@ -95,6 +117,10 @@ def _pump(stream: TextIO, proc: ManagedProcess, is_stdout: bool, echo: bool) -> 
     for line in stream:
         line = line.rstrip("\n")
         if is_stdout and not proc._ready.is_set():
+            m = _HTTP_LISTENING.match(line)
+            if m:
+                proc.http_address = m.group(1)
+                continue
             m = _LISTENING.match(line)
             if m:
                 proc.address = m.group(2)
@@ -111,6 +137,7 @@ class Cluster:
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
+        self.internal_token = config.internal_token or new_secret()
         self.workers: list[ManagedProcess] = []
         self.router: ManagedProcess | None = None
 
@@ -120,8 +147,23 @@ class Cluster:
             raise RuntimeError("the cluster is not started")
         return self.router.address
 
+    @property
+    def http_url(self) -> str:
+        """``http://host:port`` of the router's HTTP API (``router_http_port`` set)."""
+        if self.router is None or not self.router.http_address:
+            raise RuntimeError("the cluster's router serves no HTTP API")
+        return f"http://{self.router.http_address}"
+
+    def worker_channel(self, address: str):
+        """A channel to one of this cluster's workers that carries its internal token."""
+        return make_channel(address, ChannelSecurity.internal(self.internal_token))
+
     def _spawn(self, kind: str, name: str, args: list[str]) -> ManagedProcess:
         env = dict(os.environ)
+        # the token goes in the environment, which only this user can read, not on the command
+        # line, which `ps` shows everyone; an inherited token file would override it
+        env[TOKEN_ENV] = self.internal_token
+        env.pop(TOKEN_FILE_ENV, None)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, env.get("PYTHONPATH"))
                                             if p)
         env["PYTHONUNBUFFERED"] = "1"
@@ -134,7 +176,7 @@ class Cluster:
             # NOTE: a session of their own keeps a terminal's Ctrl-C from reaching the children
             # directly; the cluster forwards it in order (router first).
             start_new_session=True)
-        proc = ManagedProcess(kind, name, popen)
+        proc = ManagedProcess(kind, name, popen, args=tuple(args))
         for stream, is_stdout in ((popen.stdout, True), (popen.stderr, False)):
             threading.Thread(target=_pump, args=(stream, proc, is_stdout, self.config.echo_logs),
                              name=f"{name}-{'out' if is_stdout else 'err'}",
@@ -159,20 +201,27 @@ class Cluster:
 
     def start(self) -> Cluster:
         c = self.config
+        problem = bind_problem(c.host, c.router_port) if c.router_port else None
+        if problem is not None:
+            # fail before loading any model; the router's own bind still decides in the end
+            raise ClusterError(f"cannot listen on {c.host}:{c.router_port}: {problem}")
         kinds = ["prefill"] * c.num_prefill + ["decode"] * c.num_decode
         counts: dict[str, int] = collections.Counter()
         try:
             for i, kind in enumerate(kinds):
                 module = c.prefill_module if kind == "prefill" else c.decode_module
                 args = ["-m", module, "--host", c.host, "--port", "0", "--model", c.model,
-                        *c.worker_args]
+                        *c.worker_args, *self._grace_args()]
                 if c.devices:
                     args += ["--device", c.devices[i % len(c.devices)]]
                 self.workers.append(self._spawn(kind, f"{kind}-{counts[kind]}", args))
                 counts[kind] += 1
             self._wait_ready(self.workers)
             args = ["-m", c.router_module, "--host", c.host, "--port", str(c.router_port),
-                    "--model", c.model, *c.router_args]
+                    "--model", c.model, "--worker-backoff-max", str(c.worker_backoff_max_s),
+                    *self._grace_args(), *c.router_args]
+            if c.router_http_port is not None:
+                args += ["--http-port", str(c.router_http_port)]
             for w in self.workers:
                 args += [f"--{w.kind}", w.address]
             self.router = self._spawn("router", "router", args)
@@ -182,11 +231,36 @@ class Cluster:
             raise
         return self
 
+    def _grace_args(self) -> list[str]:
+        return [] if self.config.grace_s is None else ["--grace", str(self.config.grace_s)]
+
+    def respawn(self, index: int) -> ManagedProcess:
+        """Start worker ``index`` again, with its arguments, on the port it had, and put the new
+        process in its place in ``workers``; returns it without waiting for it to be ready.
+
+        The same port keeps the router's worker list valid: the router polls the address, and
+        takes the worker back once it answers. The old process must have exited.
+        """
+        old = self.workers[index]
+        if old.alive():
+            raise RuntimeError(f"{old.name} (pid {old.pid}) is still running")
+        args = list(old.args)
+        port = old.address.rsplit(":", 1)[1] if old.address else "0"
+        args[args.index("--port") + 1] = port
+        proc = self._spawn(old.kind, old.name, args)
+        proc.address = old.address  # until its ready line says where it listens
+        self.workers[index] = proc
+        return proc
+
     def stop(self) -> None:
         """Stop the router, then the workers; SIGKILL whatever outlives the grace period."""
+        kill_after = self.config.stop_grace_s
+        if self.config.grace_s is not None:
+            # the processes end their last calls shortly after their own grace
+            kill_after = max(kill_after, self.config.grace_s + 5.0)
         if self.router is not None:
-            _terminate([self.router], self.config.stop_grace_s)
-        _terminate(self.workers, self.config.stop_grace_s)
+            _terminate([self.router], kill_after)
+        _terminate(self.workers, kill_after)
 
     def __enter__(self) -> Cluster:
         return self.start()

@@ -1,7 +1,8 @@
 """``flashsplit demo``: a router, a prefill and a decode worker on loopback, a few real prompts.
 
-Prints each completion with its time to first token and per-token latency, and checks that the
-disaggregated output equals the same model run in this process (greedy, token for token).
+Prints each completion with its time to first token and per-token latency, checks that the
+disaggregated output equals the same model run in this process (greedy, token for token), and
+ends with a short ``flashsplit bench`` run on the same cluster for its summary line.
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ def local_reference(model: str, prompts, params: SamplingParams) -> list[list[in
     return [r.output_ids for r in engine.generate([tokenizer.encode(p) for p in prompts], params)]
 
 
+def _bench(address: str, max_new_tokens: int):
+    """One load point of ``flashsplit bench`` (greedy, 4 in flight) against the cluster."""
+    from router.bench.config import BenchConfig, LengthDist, Load
+    from router.bench.runner import run_bench
+
+    config = BenchConfig(backend="grpc", url=address, loads=(Load(concurrency=4),),
+                         num_prompts=16, input_len=LengthDist(16, 16),
+                         output_len=LengthDist(max_new_tokens, max_new_tokens),
+                         progress=False)
+    (point,) = asyncio.run(run_bench(config)).points
+    return point
+
+
 def run_demo(*, model: str, max_new_tokens: int, device: str, kernels: str = "auto") -> int:
     from router.cluster import Cluster, ClusterConfig
 
@@ -55,6 +69,7 @@ def run_demo(*, model: str, max_new_tokens: int, device: str, kernels: str = "au
         wall = time.perf_counter()
         outs = asyncio.run(_run_all(cluster.router_address, DEMO_PROMPTS, params))
         wall = time.perf_counter() - wall
+        bench = _bench(cluster.router_address, max_new_tokens)
     expected = local_reference(model, DEMO_PROMPTS, params)
     print()
     for prompt, out, ref in zip(DEMO_PROMPTS, outs, expected):
@@ -67,4 +82,9 @@ def run_demo(*, model: str, max_new_tokens: int, device: str, kernels: str = "au
               f"{'yes' if out.token_ids == ref else 'NO'}")
     total = sum(len(o.token_ids) for o in outs)
     print(f"\n{len(outs)} concurrent requests, {total} tokens in {wall:.2f} s")
+    s = bench.summary
+    print(f"bench ({bench.load.label}, {s.completed} requests of 16 prompt and "
+          f"{max_new_tokens} generated tokens): {s.output_throughput:.0f} tokens/s, time to "
+          f"first token p50 {s.ttft.p50:.1f} ms / p99 {s.ttft.p99:.1f} ms, inter-token "
+          f"p50 {s.itl.p50:.2f} ms / p99 {s.itl.p99:.2f} ms")
     return 0 if all(o.token_ids == r for o, r in zip(outs, expected)) else 1

@@ -13,6 +13,7 @@ neither keeps pages, slots or a queued prompt for a request nobody is waiting fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -169,8 +170,12 @@ class Dispatcher:
                 break
             prefill, decode = pair[0].address, pair[1].address
             try:
-                async for chunk in self._attempt(job, prefill, decode, attempt):
-                    yield chunk
+                # closed explicitly: an abandoned request runs the attempt's cleanup (the aborts)
+                # now, not when the generator is garbage-collected
+                async with contextlib.aclosing(self._attempt(job, prefill, decode,
+                                                             attempt)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
                 return
             except AttemptFailed as failed:
                 log.warning("[%s] attempt %d on %s -> %s failed: %s", job.request_id, attempt,

@@ -10,8 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
+from common.channels import ChannelSecurity, make_channel
 from common.convert import finish_reason_from_pb, sampling_to_pb
 from common.pb.flashsplit.v1 import generation_pb2, generation_pb2_grpc
 from common.sampling import SamplingParams
@@ -35,8 +34,10 @@ class Completion:
 
 def request_to_pb(*, text: str | None = None, token_ids: Sequence[int] | None = None,
                   params: SamplingParams | None = None, speculative: bool | None = None,
-                  request_id: str = "") -> generation_pb2.GenerateRequest:
-    req = generation_pb2.GenerateRequest(request_id=request_id)
+                  request_id: str = "",
+                  stop: Sequence[str] = ()) -> generation_pb2.GenerateRequest:
+    """A GenerateRequest; ``stop`` strings end the completion before their first occurrence."""
+    req = generation_pb2.GenerateRequest(request_id=request_id, stop=list(stop))
     if (text is None) == (token_ids is None):
         raise ValueError("give exactly one of text and token_ids")
     if text is not None:
@@ -52,11 +53,13 @@ def request_to_pb(*, text: str | None = None, token_ids: Sequence[int] | None = 
 
 async def generate(address: str, request: generation_pb2.GenerateRequest, *,
                    timeout_s: float = 600.0,
-                   on_text: Callable[[str], None] | None = None) -> Completion:
-    """Run one streaming Generate call; raises grpc.aio.AioRpcError when the router fails it."""
+                   on_text: Callable[[str], None] | None = None,
+                   security: ChannelSecurity = ChannelSecurity()) -> Completion:
+    """Run one streaming Generate call (with ``security``'s API key and TLS, when the router's
+    port asks for them); raises grpc.aio.AioRpcError when the router fails it."""
     out = Completion()
     start = time.perf_counter()
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with make_channel(address, security) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         async for msg in stub.Generate(request, timeout=timeout_s):
             out.request_id = msg.request_id

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from common.sampling import SamplingParams
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from router.stop_strings import StopStringMatcher
 
 
 @dataclass(frozen=True)
@@ -104,11 +105,17 @@ class Delta:
 
 @dataclass
 class OutputTracker:
-    """Accumulates one request's output: text deltas, ids and per-token arrival gaps."""
+    """Accumulates one request's output: text deltas, ids and per-token arrival gaps.
+
+    With ``stop`` strings, text is cut before the first one (``router/stop_strings.py``): the
+    token that completed it is the last one kept, and that call's Delta has finish_reason
+    "stop", so the caller stops reading the workers.
+    """
 
     tokenizer: Tokenizer
     prompt_ids: Sequence[int]
     arrival: float
+    stop: Sequence[str] = ()
     token_ids: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
@@ -119,6 +126,7 @@ class OutputTracker:
     def __post_init__(self) -> None:
         # The prompt's last ids are decoding context (leading spaces), not output.
         self._detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=self.prompt_ids)
+        self._stop = StopStringMatcher(self.stop)
 
     @property
     def text(self) -> str:
@@ -128,7 +136,15 @@ class OutputTracker:
             finish_reason: str | None = None, prefill_times: tuple[float, float, float] | None
             = None) -> Delta:
         """Record tokens that arrived together; the last call passes finish_reason."""
-        text = "".join(self._detok.push(t) for t in token_ids)
+        pieces, kept = [], 0
+        for t in token_ids:
+            pieces.append(self._stop.push(self._detok.push(t)))
+            kept += 1
+            if self._stop.matched is not None:
+                finish_reason = "stop"
+                break
+        token_ids = tuple(token_ids[:kept])
+        text = "".join(pieces)
         for i, _ in enumerate(token_ids):
             if self.last_arrival is None and i == 0:
                 self.ttft = arrival - self.arrival
@@ -140,7 +156,10 @@ class OutputTracker:
         self.accept_lengths.extend(accept_lengths)
         timings = None
         if finish_reason is not None:
-            text += self._detok.flush()
+            text += self._stop.push(self._detok.flush())
+            text += self._stop.flush()
+            if self._stop.matched is not None:
+                finish_reason = "stop"
             queue_s, prefill_s, handoff_s = prefill_times or (0.0, 0.0, 0.0)
             end = self.last_arrival if self.last_arrival is not None else arrival
             timings = Timings(time_to_first_token_s=self.ttft or 0.0,

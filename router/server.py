@@ -1,8 +1,9 @@
 """The public ``flashsplit.v1.Generation`` service: protobuf in, dispatcher, protobuf out.
 
-The servicer only translates: checks and tokenization go through ``router/requests.py``, worker
-choice and retries through ``router/dispatch.py``. ``Router`` assembles registry, clients,
-dispatcher, servicer, health and reflection into one server that tests can start on port 0.
+The servicer only translates: checks, tokenization, stop strings and the run itself go through
+``router/generation.py`` (shared with the HTTP API), worker choice and retries through
+``router/dispatch.py``. ``Router`` assembles registry, clients, dispatcher, servicer, health and
+reflection into one server that tests can start on port 0.
 """
 
 from __future__ import annotations
@@ -19,20 +20,23 @@ from grpc_reflection.v1alpha import reflection
 
 from common.convert import (finish_reason_to_pb, load_report_to_pb, sampling_from_pb,
                             speculative_from_pb)
+from common.channels import ChannelSecurity
 from common.grpc_util import bind, make_server, set_serving
 from common.pb.flashsplit.v1 import generation_pb2, generation_pb2_grpc, types_pb2
+from common.security import ServerSecurity
+from common.shutdown import GracefulShutdown, stop_gracefully
 from common.tokenizer import Tokenizer, load_tokenizer
 from router.client import ClientConfig, WorkerClients
 from router.dispatch import Dispatcher, DispatchConfig, DispatchError, Job
+from router.generation import Generation
+from router.limits import RequestLimits
+from router.openai_api.config import HttpConfig
 from router.registry import RegistryConfig, WorkerRegistry
-from router.requests import (Delta, OutputTracker, ServedModel, check_prompt,
-                             load_served_model, new_request_id, with_seed)
+from router.requests import Delta, OutputTracker, ServedModel, load_served_model
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-# Longer texts are tokenized off the event loop, so one huge prompt does not stall other streams.
-_TOKENIZE_INLINE_CHARS = 4096
 _KIND_PB = {"prefill": types_pb2.WORKER_KIND_PREFILL, "decode": types_pb2.WORKER_KIND_DECODE}
 
 
@@ -49,6 +53,13 @@ class RouterConfig:
     clients: ClientConfig = field(default_factory=ClientConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     grace_s: float = 5.0
+    # the internal token (and TLS) of every call to a worker; what the public port demands
+    internal: ChannelSecurity = field(default_factory=ChannelSecurity)
+    public: ServerSecurity = field(default_factory=ServerSecurity)
+    # the OpenAI-compatible HTTP API beside the gRPC one (None: not served)
+    http: HttpConfig | None = None
+    # caps on prompt and message sizes (router/limits.py)
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def delta_to_pb(request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
@@ -70,50 +81,36 @@ def delta_to_pb(request_id: str, delta: Delta) -> generation_pb2.GenerateRespons
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Generate / GenerateOnce / GetModelInfo / ListWorkers over a dispatcher."""
 
-    def __init__(self, model: ServedModel, tokenizer: Tokenizer, dispatcher: Dispatcher) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.dispatcher = dispatcher
-        self.registry = dispatcher.registry
+    def __init__(self, generation: Generation, shutdown: GracefulShutdown | None = None) -> None:
+        self.generation = generation
+        # once the shutdown grace is over, running calls end with finish reason ABORT
+        self.shutdown = shutdown or GracefulShutdown("router")
+        self.model = generation.model
+        self.registry = generation.dispatcher.registry
 
     async def _admit(self, request: generation_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext) -> tuple[Job, OutputTracker]:
         """Validate and tokenize; aborts the call with INVALID_ARGUMENT on bad input."""
-        arrival = self.dispatcher.clock()
-        request_id = request.request_id or new_request_id()
+        arrival = self.generation.dispatcher.clock()
         try:
-            params = with_seed(sampling_from_pb(request.sampling))
             which = request.WhichOneof("input")
-            if which == "text":
-                text = request.text
-                ids = (self.tokenizer.encode(text) if len(text) <= _TOKENIZE_INLINE_CHARS
-                       else await asyncio.to_thread(self.tokenizer.encode, text))
-            elif which == "token_ids":
-                ids = list(request.token_ids.ids)
-            else:
+            if which is None:
                 raise ValueError("the request has neither text nor token_ids")
-            check_prompt(ids, params, self.model)
+            return await self.generation.admit(
+                request.text if which == "text" else list(request.token_ids.ids),
+                sampling_from_pb(request.sampling), request_id=request.request_id,
+                speculative=speculative_from_pb(request.sampling), stop=list(request.stop),
+                arrival=arrival, timeout_s=context.time_remaining())
         except ValueError as exc:
-            log.info("[%s] rejected: %s", request_id, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        remaining = context.time_remaining()
-        job = Job(request_id=request_id, prompt_ids=tuple(ids), sampling=params,
-                  speculative=speculative_from_pb(request.sampling),
-                  arrival=arrival, deadline=None if remaining is None else arrival + remaining)
-        log.info("[%s] %d prompt tokens, max_new_tokens %d", request_id, len(ids),
-                 params.max_new_tokens)
-        return job, OutputTracker(self.tokenizer, job.prompt_ids, arrival)
 
     async def _deltas(self, job: Job, tracker: OutputTracker,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[Delta]:
         """Run the job; failures end the call with the dispatcher's status."""
         try:
-            async with contextlib.aclosing(self.dispatcher.run(job)) as chunks:
-                async for c in chunks:
-                    times = (c.prefill.queue_s, c.prefill.prefill_s, c.prefill.handoff_s) \
-                        if c.prefill else None
-                    yield tracker.add(c.token_ids, c.arrival, c.accept_lengths,
-                                      c.finish_reason, times)
+            async with contextlib.aclosing(self.generation.run(job, tracker)) as deltas:
+                async for delta in deltas:
+                    yield delta
         except DispatchError as exc:
             log.warning("[%s] failed after %d tokens: %s", job.request_id,
                         len(tracker.token_ids), exc.message)
@@ -123,19 +120,37 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Exception as exc:  # a bug: the client gets INTERNAL, the log gets the trace
             log.exception("[%s] internal error", job.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"router error: {exc!r}")
-        log.info("[%s] done: %d tokens in %.3f s", job.request_id, len(tracker.token_ids),
-                 self.dispatcher.clock() - job.arrival)
+
+    def _cut_short(self, tracker: OutputTracker) -> str:
+        return (f"{self.shutdown.message}: the request was aborted after "
+                f"{len(tracker.token_ids)} tokens")
 
     async def Generate(self, request, context):
         job, tracker = await self._admit(request, context)
-        async for delta in self._deltas(job, tracker, context):
-            yield delta_to_pb(job.request_id, delta)
+        try:
+            with self.shutdown.cancelled_at_expiry():
+                async for delta in self._deltas(job, tracker, context):
+                    yield delta_to_pb(job.request_id, delta)
+        except asyncio.CancelledError:
+            if not self.shutdown.expired.is_set():
+                raise
+            # the shutdown grace is over (the workers were told to abort): a last message
+            # with finish reason ABORT, then a status that says why
+            end = tracker.add((), self.generation.dispatcher.clock(), (), "abort")
+            yield delta_to_pb(job.request_id, end)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._cut_short(tracker))
 
     async def GenerateOnce(self, request, context):
         job, tracker = await self._admit(request, context)
         last = None
-        async for delta in self._deltas(job, tracker, context):
-            last = delta
+        try:
+            with self.shutdown.cancelled_at_expiry():
+                async for delta in self._deltas(job, tracker, context):
+                    last = delta
+        except asyncio.CancelledError:
+            if not self.shutdown.expired.is_set():
+                raise
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._cut_short(tracker))
         whole = Delta(text=tracker.text, token_ids=tuple(tracker.token_ids),
                       accept_lengths=tuple(tracker.accept_lengths),
                       finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
@@ -173,12 +188,16 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.model, allow_missing=True)
         self.model = model or load_served_model(config.model, self.tokenizer)
-        self.clients = WorkerClients(config.clients)
+        self.clients = WorkerClients(config.clients, config.internal)
         workers = [(a, "prefill") for a in config.prefill] + [(a, "decode") for a in config.decode]
         self.registry = WorkerRegistry(workers, self.clients.get_load, config.registry)
         self.dispatcher = Dispatcher(self.registry, self.clients, config.dispatch)
+        self.generation = Generation(self.model, self.tokenizer, self.dispatcher,
+                                     config.limits)
+        self.shutdown = GracefulShutdown("router")
         self.health: health.aio.HealthServicer | None = None
         self.server: grpc.aio.Server | None = None
+        self.http = None  # router.openai_api.server.HttpServer while serving HTTP
         self.port = 0
 
     @property
@@ -187,25 +206,57 @@ class Router:
 
     async def start(self) -> str:
         """Bind, poll the workers once, serve; returns host:port (the bound port when 0)."""
-        server, self.health = make_server()
+        if self.config.http is not None and self.config.public.tls is not None:
+            # a plaintext HTTP port beside a TLS gRPC one would undo what TLS is there for
+            raise ValueError("the HTTP API does not serve TLS yet: leave out --http-port, or "
+                             "run this router without --tls-cert behind a TLS-terminating "
+                             "proxy")
+        server, self.health = make_server(
+            [*self.config.public.interceptors(), self.shutdown.interceptor()],
+            max_message_bytes=self.config.limits.max_message_bytes)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.model, self.tokenizer, self.dispatcher), server)
+            GenerationServicer(self.generation, self.shutdown), server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.port = int(bind(server, self.config.host, self.config.port).rsplit(":", 1)[1])
+        self.port = int(bind(server, self.config.host, self.config.port,
+                             self.config.public.credentials()).rsplit(":", 1)[1])
         await self.registry.start()
         await server.start()
         self.server = server
+        if self.config.http is not None:
+            try:
+                await self._start_http(self.config.http)
+            except BaseException:
+                await self.stop(0)  # no half-started router: the gRPC port closes too
+                raise
         await set_serving(self.health, [SERVICE_NAME], True)
         return self.address
 
+    @property
+    def http_address(self) -> str | None:
+        """host:port of the HTTP API (None when it is not served)."""
+        return self.http.address if self.http is not None else None
+
+    async def _start_http(self, config: HttpConfig) -> None:
+        # imported here: FastAPI and uvicorn are loaded only by a router that serves HTTP
+        from router.openai_api.server import build_http_server
+
+        self.http = build_http_server(self.generation, config, model=self.config.model,
+                                      accepts=self.config.public.accepts,
+                                      grace_s=self.config.grace_s)
+        await self.http.start()
+
     async def stop(self, grace: float | None = None) -> None:
-        """Stop taking requests, let running ones finish for up to ``grace`` seconds, close."""
+        """Stop taking requests, let running ones finish for up to ``grace`` seconds, end the
+        rest with finish reason ABORT (common/shutdown.py), close."""
         grace = self.config.grace_s if grace is None else grace
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
-        if self.server is not None:
-            await self.server.stop(grace)
+        stopping = ([stop_gracefully(self.server, self.health, self.shutdown, grace)]
+                    if self.server is not None else [])
+        if self.http is not None:
+            stopping.append(self.http.stop())
+        await asyncio.gather(*stopping)
         await self.registry.stop()
         await self.dispatcher.drain()
         await self.clients.close()

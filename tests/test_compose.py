@@ -12,11 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
+from common.auth import new_secret, write_secret_file
+from common.channels import ChannelSecurity, make_channel
 from common.engine.llm_engine import EngineConfig, LLMEngine
 from common.model.load import load_model
+from common.pb.flashsplit.v1 import prefill_pb2_grpc, types_pb2
 from common.sampling import SamplingParams
 from router.remote import generate, request_to_pb
 
@@ -35,13 +39,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def localize(args: list[str], services: list[str]) -> list[str]:
-    """Map the container network onto loopback: 0.0.0.0 and service hostnames -> 127.0.0.1."""
+def localize(args: list[str], services: list[str], secrets: dict[str, str]) -> list[str]:
+    """Map the container network onto loopback: 0.0.0.0 and service hostnames -> 127.0.0.1;
+    and compose secrets (/run/secrets/NAME) onto the local files in ``secrets``."""
     out = []
     for a in args:
         a = "127.0.0.1" if a == "0.0.0.0" else a
         for name in services:
             a = re.sub(rf"^{name}:(\d+)$", r"127.0.0.1:\1", a)
+        for name, path in secrets.items():
+            a = path if a == f"/run/secrets/{name}" else a
         out.append(a)
     return out
 
@@ -74,7 +81,33 @@ def start_order(services: dict) -> list[str]:
     return order
 
 
-def test_compose_services_run_and_serve_a_request():
+def test_compose_keeps_workers_private_and_gives_every_service_the_token():
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    assert "internal_token" in compose["secrets"]
+    for name in ("prefill", "decode"):
+        # reachable on the compose network only: nothing of a worker is published on the host
+        assert "ports" not in services[name], name
+    assert services["router"]["ports"] == ["${ROUTER_PORT:-50051}:${ROUTER_PORT:-50051}"]
+    for name, svc in services.items():
+        assert "internal_token" in svc["secrets"], name
+        cmd = svc["command"]
+        i = cmd.index("--internal-token-file")
+        assert cmd[i + 1] == "/run/secrets/internal_token", name
+        assert "--insecure-no-auth" not in cmd, name
+
+
+async def worker_load_code(address: str) -> grpc.StatusCode:
+    async with make_channel(address) as channel:
+        try:
+            await prefill_pb2_grpc.PrefillStub(channel).GetLoad(types_pb2.LoadRequest(),
+                                                                timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_compose_services_run_and_serve_a_request(tmp_path):
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = compose["services"]
     assert set(services) == {"router", "prefill", "decode"}
@@ -83,25 +116,40 @@ def test_compose_services_run_and_serve_a_request():
     gpu = services["decode"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"]
     assert any(v.endswith(":/models:ro") for v in services["decode"]["volumes"])
+    token_file = tmp_path / "internal-token"
+    write_secret_file(token_file, new_secret())
+    secrets = {"internal_token": str(token_file)}
 
     env = {"PREFILL_PORT": str(free_port()), "DECODE_PORT": str(free_port()),
-           "ROUTER_PORT": str(free_port()), "MODEL": "tiny", "DEVICE": "cpu"}
+           "ROUTER_PORT": str(free_port()), "MODEL": "tiny", "DEVICE": "cpu",
+           "FLASHSPLIT_API_KEY": "sk-compose-test"}
     procs: list[subprocess.Popen] = []
     try:
         for name in start_order(services):
             svc = services[name]
-            cmd = localize([interpolate(a, env) for a in svc["command"]], list(services))
+            cmd = localize([interpolate(a, env) for a in svc["command"]], list(services),
+                           secrets)
+            service_env = {k: interpolate(str(v), env)
+                           for k, v in (svc.get("environment") or {}).items()}
             proc = subprocess.Popen([executable(cmd[0]), *cmd[1:]], cwd=ROOT,
-                                    env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
+                                    env={**os.environ, **env, **service_env},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(proc)
             test = [interpolate(a, env) for a in svc["healthcheck"]["test"]]
             wait_healthy(test, proc)
         address = f"127.0.0.1:{env['ROUTER_PORT']}"
         params = SamplingParams(temperature=0.0, max_new_tokens=8)
-        out = asyncio.run(generate(address, request_to_pb(token_ids=[1, 2, 3], params=params)))
+        request = request_to_pb(token_ids=[1, 2, 3], params=params)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the router asks for the API key
+            asyncio.run(generate(address, request))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        out = asyncio.run(generate(address, request,
+                                   security=ChannelSecurity.public("sk-compose-test")))
         local = LLMEngine(load_model("tiny"), EngineConfig()).generate([[1, 2, 3]], params)
         assert out.token_ids == local[0].output_ids
+        # a worker answers no one without the token
+        prefill = f"127.0.0.1:{env['PREFILL_PORT']}"
+        assert asyncio.run(worker_load_code(prefill)) == grpc.StatusCode.UNAUTHENTICATED
     finally:
         for proc in reversed(procs):
             proc.terminate()

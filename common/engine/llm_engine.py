@@ -236,6 +236,11 @@ class LLMEngine:
             log.exception("step failed for %d request(s)", len(self._stepping))
             raise StepFailed(self._fail_stepping(), exc) from exc
 
+    @property
+    def last_step_requests(self) -> list[Request]:
+        """The requests the latest :meth:`step` ran (a prefill worker streams their progress)."""
+        return list(self._stepping)
+
     def _fail_stepping(self) -> list[str]:
         """End the requests of the failed step (and of a launched one) with "error"."""
         victims = list(self._stepping)

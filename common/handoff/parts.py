@@ -1,6 +1,7 @@
 """The three kinds of handoff message as plain dataclasses (the wire form is in common/convert.py).
 
-A handoff is one ``HeaderPart``, then ``ChunkPart``s in any order, then one ``TrailerPart``.
+A handoff is one ``HeaderPart``, then ``ChunkPart``s in any order, then one ``TrailerPart``. The
+header goes out before the prompt is prefilled, so the first token travels in the trailer.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from common.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class HeaderPart:
-    """Everything but the tensor bytes: who, what model and layout, what fields follow."""
+    """Everything but the tensor bytes and the first token: who, what model and layout, what
+    fields follow."""
 
     handoff_id: int
     fingerprint: str
     layout: LayoutDescriptor
     prompt_ids: tuple[int, ...]
-    first_token: int
     sampling: SamplingParams
     manifest: dict[str, FieldSpec] = field(default_factory=dict)
     speculative: bool | None = None
@@ -48,9 +49,11 @@ class ChunkPart:
 
 @dataclass(frozen=True)
 class TrailerPart:
-    """CRC-32 (``zlib.crc32``) of each field's bytes, concatenated in (layer, offset) order."""
+    """CRC-32 (``zlib.crc32``) of each field's bytes, concatenated in (layer, offset) order, and
+    the first token prefill sampled (None only in a malformed trailer)."""
 
     checksums: dict[str, int] = field(default_factory=dict)
+    first_token: int | None = None
 
 
 HandoffPart = Union[HeaderPart, ChunkPart, TrailerPart]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 
-import numpy as np
 import torch
 
 from common.handoff.errors import HandoffError
@@ -40,11 +39,7 @@ def split_payload(payload: HandoffPayload,
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     payload.validate()
-    yield HeaderPart(handoff_id=payload.handoff_id, fingerprint=payload.fingerprint,
-                     layout=payload.layout, prompt_ids=tuple(payload.prompt_ids),
-                     first_token=payload.first_token, sampling=payload.sampling,
-                     manifest=payload.manifest(), speculative=payload.speculative,
-                     request_id=payload.request_id)
+    yield header_of(payload)
     checksums = {}
     for name in sorted(payload.fields, key=KNOWN_FIELDS.index):
         tensor = payload.fields[name]
@@ -56,7 +51,15 @@ def split_payload(payload: HandoffPayload,
                 crc = zlib.crc32(piece, crc)
                 yield ChunkPart(field=name, layer=layer, offset=offset, data=piece)
         checksums[name] = crc
-    yield TrailerPart(checksums=checksums)
+    yield TrailerPart(checksums=checksums, first_token=payload.first_token)
+
+
+def header_of(payload: HandoffPayload) -> HeaderPart:
+    """The header that announces ``payload`` (everything but its bytes and first token)."""
+    return HeaderPart(handoff_id=payload.handoff_id, fingerprint=payload.fingerprint,
+                      layout=payload.layout, prompt_ids=tuple(payload.prompt_ids),
+                      sampling=payload.sampling, manifest=payload.manifest(),
+                      speculative=payload.speculative, request_id=payload.request_id)
 
 
 class HandoffAssembler:
@@ -66,9 +69,10 @@ class HandoffAssembler:
         expected_layout: the receiver's layout; the header's must equal it.
         expected_fingerprint: the receiver's model fingerprint; the header's must equal it.
         max_bytes: most payload bytes accepted (RESOURCE_EXHAUSTED above it).
-        reserve: called once the header is valid; returns where the bytes go, or raises
-            ``HandoffError`` (RESOURCE_EXHAUSTED when there is no room, ABORTED when the request
-            was cancelled). If it raises, it must itself free anything it took.
+        reserve: called by ``on_header`` once the header is valid; returns where the bytes go,
+            or raises ``HandoffError`` (RESOURCE_EXHAUSTED when there is no room, ABORTED when
+            the request was cancelled). If it raises, it must itself free anything it took.
+            None when the caller reserves by itself: ``check_header``, then ``start``.
 
     Use: ``on_part`` for every message, then ``on_end`` when the sender closes its stream, which
     commits the reservation and hands it to the caller; ``abort`` in a ``finally`` (a no-op once
@@ -77,7 +81,8 @@ class HandoffAssembler:
     """
 
     def __init__(self, expected_layout: LayoutDescriptor, expected_fingerprint: str,
-                 max_bytes: int, reserve: Callable[[HeaderPart], Reservation]) -> None:
+                 max_bytes: int,
+                 reserve: Callable[[HeaderPart], Reservation] | None = None) -> None:
         self._layout = expected_layout
         self._fingerprint = expected_fingerprint
         self._max_bytes = max_bytes
@@ -86,8 +91,8 @@ class HandoffAssembler:
         self._header: HeaderPart | None = None
         self._reservation: Reservation | None = None
         self._ledgers: dict[tuple[str, int], LayerLedger] = {}
-        self._destinations: dict[tuple[str, int], torch.Tensor] = {}
         self.bytes_received = 0
+        self.first_token: int | None = None  # from the verified trailer
 
     @property
     def header(self) -> HeaderPart | None:
@@ -111,6 +116,19 @@ class HandoffAssembler:
 
     def on_header(self, header: HeaderPart) -> None:
         """Validate the header, then reserve room for the payload it declares."""
+        self.check_header(header)
+        try:
+            if self._reserve is None:
+                raise ValueError("this assembler has no reserve function: use check_header "
+                                 "and start")
+            reservation = self._reserve(header)
+        except BaseException as err:
+            self._fail(err)
+        self.start(header, reservation)
+
+    def check_header(self, header: HeaderPart) -> None:
+        """Validate the header (before anything is reserved for it); raises ``HandoffError``.
+        A caller that reserves by itself (on another thread) then calls :meth:`start`."""
         self._expect("header", "a second header" if self._header else "a header")
         try:
             if not 0 < header.handoff_id <= _MAX_HANDOFF_ID:
@@ -125,9 +143,16 @@ class HandoffAssembler:
             if header.payload_nbytes > self._max_bytes:
                 raise HandoffError("RESOURCE_EXHAUSTED", f"payload of {header.payload_nbytes} "
                                    f"bytes exceeds the limit of {self._max_bytes}")
-            self._reservation = self._reserve(header)
         except BaseException as err:
             self._fail(err)
+
+    def start(self, header: HeaderPart, reservation: Reservation) -> None:
+        """Take the room reserved for a checked header; chunks may follow. If the handoff was
+        closed meanwhile, the reservation is released at once (and ABORTED raised)."""
+        if self._state != "header":
+            reservation.release()
+            self._expect("header", "a reservation")
+        self._reservation = reservation
         self._header = header
         self._state = "chunks"
 
@@ -145,6 +170,8 @@ class HandoffAssembler:
         self._expect("chunks", "the trailer")
         try:
             manifest = self._header.manifest
+            if trailer.first_token is None:
+                raise HandoffError("INVALID_ARGUMENT", "trailer lacks the first token")
             if set(trailer.checksums) != set(manifest):
                 raise HandoffError("INVALID_ARGUMENT", f"trailer has checksums for "
                                    f"{sorted(trailer.checksums)}, manifest declares "
@@ -160,6 +187,7 @@ class HandoffAssembler:
                                        f"{trailer.checksums[name]:#010x}")
         except BaseException as err:
             self._fail(err)
+        self.first_token = trailer.first_token
         self._state = "verified"
 
     def on_end(self) -> Reservation:
@@ -227,25 +255,7 @@ class HandoffAssembler:
         key = (chunk.field, chunk.layer)
         ledger = self._ledgers.setdefault(key, LayerLedger(spec.layer_nbytes))
         ledger.add(chunk.offset, chunk.data, where)
-        dst = self._destinations.get(key)
-        if dst is None:
-            dst = self._destination(key, spec.layer_nbytes)
-        if dst.device.type == "cpu":
-            dst.numpy()[chunk.offset:end] = np.frombuffer(chunk.data, dtype=np.uint8)
-        else:
-            # bytearray: torch cannot wrap read-only bytes without a warning
-            src = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
-            dst[chunk.offset:end].copy_(src)
-
-    def _destination(self, key: tuple[str, int], nbytes: int) -> torch.Tensor:
-        tensor = self._reservation.destination(*key)
-        if not tensor.is_contiguous() or tensor.numel() * tensor.element_size() != nbytes:
-            # NOTE: a bug in the Reservation, not the sender's fault; surfaces as INTERNAL.
-            raise ValueError(f"reservation gave a destination for {key} that is not a contiguous "
-                             f"{nbytes}-byte tensor: shape {tuple(tensor.shape)} {tensor.dtype}")
-        flat = tensor.reshape(-1).view(torch.uint8)
-        self._destinations[key] = flat
-        return flat
+        self._reservation.write(chunk.field, chunk.layer, chunk.offset, chunk.data)
 
 
 def assemble_payload(parts: Iterable[HandoffPart], *, max_bytes: int = 1 << 62,
@@ -276,6 +286,6 @@ def assemble_payload(parts: Iterable[HandoffPart], *, max_bytes: int = 1 << 62,
         assembler.abort()
     return HandoffPayload(handoff_id=first.handoff_id, fingerprint=first.fingerprint,
                           layout=first.layout, prompt_ids=first.prompt_ids,
-                          first_token=first.first_token, sampling=first.sampling,
+                          first_token=assembler.first_token, sampling=first.sampling,
                           fields=reservations[0].tensors, speculative=first.speculative,
                           request_id=first.request_id)

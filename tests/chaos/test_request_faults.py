@@ -16,14 +16,16 @@ from common.model.load import load_model
 from common.sampling import SamplingParams
 from router.cluster import Cluster, ClusterConfig
 from router.remote import generate, request_to_pb
-from tests.router.test_end_to_end import WORKER_ARGS, local_greedy, wait_all_free, worker_load
+from tests.router.test_end_to_end import PAGE, local_greedy, wait_all_free, worker_load
 
 PROMPTS = [[3, 4, 5], [(11 * j) % 256 for j in range(21)]]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    config = ClusterConfig(model="tiny", num_prefill=2, num_decode=1, worker_args=WORKER_ARGS,
+    # room for the whole burst at once: a full pool is another test's subject
+    worker_args = ("--page-size", str(PAGE), "--num-pages", "2048", "--num-slots", "48")
+    config = ClusterConfig(model="tiny", num_prefill=2, num_decode=1, worker_args=worker_args,
                            router_args=("--poll-interval", "0.2"))
     with Cluster(config) as cluster:
         yield cluster

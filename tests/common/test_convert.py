@@ -96,13 +96,14 @@ def test_handoff_round_trip_through_protobuf():
     got = assemble_payload(convert.handoff_part_from_pb(m) for m in wire)
     assert got.sampling == payload.sampling and got.speculative is False
     assert got.prompt_ids == payload.prompt_ids and got.layout == LAYOUT
+    assert got.first_token == 7 and wire[-1].trailer.first_token == 7
     for name, tensor in fields.items():
         assert torch.equal(got.fields[name].view(torch.uint8), tensor.view(torch.uint8)), name
 
 
 def _header_msg(**changes):
     part = HeaderPart(handoff_id=1, fingerprint="x", layout=LAYOUT, prompt_ids=(1, 2),
-                      first_token=3, sampling=SamplingParams(),
+                      sampling=SamplingParams(),
                       manifest={"kv": FieldSpec("bfloat16", (2, 2, 1, 16, 2, 16))})
     msg = convert.handoff_part_to_pb(part)
     for key, value in changes.items():

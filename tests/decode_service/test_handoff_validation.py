@@ -96,7 +96,7 @@ def mutate(parts, kind):
     if kind == "bad_checksum":
         sums = dict(trailer.checksums)
         sums["ssm_state"] ^= 1
-        return [header, *chunks, TrailerPart(sums)]
+        return [header, *chunks, TrailerPart(sums, first_token=5)]
     if kind == "corrupted_bytes":
         c = chunks[-1]
         flipped = bytes([c.data[0] ^ 0xFF]) + c.data[1:]

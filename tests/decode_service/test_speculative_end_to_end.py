@@ -9,6 +9,7 @@ Output must equal plain greedy decoding token for token: this is what proves the
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,12 +18,14 @@ import grpc
 import pytest
 import torch
 
+from common.auth import new_secret
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
 from common.model.dflash import load_draft
 from common.model.load import load_model, weights_identity
 from common.pb.flashsplit.v1 import decode_pb2_grpc
 from common.sampling import SamplingParams
+from common.security import TOKEN_ENV
 from decode_service.server import build_decode_service
 from router.remote import generate, request_to_pb
 from tests.common.model.checkpoints import make_checkpoint
@@ -62,8 +65,9 @@ class Oracle:
         return torch.tensor(rows, dtype=torch.int64)
 
 
-def start(module: str, *args: str) -> tuple[subprocess.Popen, str]:
+def start(module: str, *args: str, token: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT,
+                            env={**os.environ, TOKEN_ENV: token},
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline()
     if "listening on" not in line:
@@ -100,15 +104,16 @@ def test_speculative_greedy_equals_plain_greedy_through_the_router(tmp_path, kin
         oracle = Oracle(llm.speculator, expected, target.config.vocab_size)
         llm.speculator.propose = oracle
         procs = []
+        token = new_secret()  # the in-process decode service is open; the processes need one
         try:
             # started from a thread: this loop must keep serving decode while they come up
             prefill, prefill_address = await asyncio.to_thread(
                 start, "prefill_service", "--model", target_path, "--draft", draft_path,
-                "--page-size", str(PAGE), "--num-pages", "256")
+                "--page-size", str(PAGE), "--num-pages", "256", token=token)
             procs.append(prefill)
             router, router_address = await asyncio.to_thread(
                 start, "router", "--model", target_path, "--prefill", prefill_address,
-                "--decode", decode_address)
+                "--decode", decode_address, token=token)
             procs.append(router)
             seen = {}
             for mode in ("real", "all", "cycle"):

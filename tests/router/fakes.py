@@ -63,11 +63,12 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
                 finish_reason=types_pb2.FINISH_REASON_LENGTH)
         header = decode_pb2.HandoffHeader(
             handoff_id=request.handoff_id, model_fingerprint=FINGERPRINT,
-            prompt_len=len(request.prompt_token_ids), first_token=first,
+            prompt_len=len(request.prompt_token_ids),
             prompt_token_ids=request.prompt_token_ids, sampling=request.sampling,
             request_id=request.request_id)
         messages = [decode_pb2.HandoffMessage(header=header),
-                    decode_pb2.HandoffMessage(trailer=decode_pb2.HandoffTrailer())]
+                    decode_pb2.HandoffMessage(trailer=decode_pb2.HandoffTrailer(
+                        first_token=first))]
         async with grpc.aio.insecure_channel(request.decode_address) as ch:
             try:
                 await send_handoff(decode_pb2_grpc.DecodeStub(ch), messages, timeout_s=5)
@@ -94,6 +95,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.address = address
         self.knobs = DecodeKnobs()
         self.handoffs: dict[int, decode_pb2.HandoffHeader] = {}
+        self.first_tokens: dict[int, int] = {}
         self._arrived: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
         self.streams: list[int] = []
         self.cancelled_streams: list[int] = []
@@ -102,6 +104,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     async def Handoff(self, request_iterator, context):
         header = None
         async for msg in request_iterator:
+            if msg.HasField("trailer"):
+                self.first_tokens[header.handoff_id] = msg.trailer.first_token
             if msg.HasField("header"):
                 header = msg.header
                 if self.knobs.refuse_with is not None:
@@ -119,7 +123,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             await self._arrived[hid].wait()
             header = self.handoffs[hid]
             limit = header.sampling.max_new_tokens
-            out = [header.first_token, *REPLY_IDS[1:]][:limit]
+            out = [self.first_tokens[hid], *REPLY_IDS[1:]][:limit]
             finish = (types_pb2.FINISH_REASON_LENGTH if len(out) == limit
                       else types_pb2.FINISH_REASON_STOP)
             k, sent = self.knobs.tokens_per_event, 0

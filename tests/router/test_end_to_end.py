@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from common.channels import ChannelSecurity, make_channel
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.model.load import load_model
 from common.pb.flashsplit.v1 import types_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -36,8 +37,9 @@ async def generate_all(address, prompts, params=GREEDY):
                                   for p in prompts])
 
 
-async def worker_load(address: str, kind: str) -> types_pb2.LoadReport:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def worker_load(address: str, kind: str, token: str) -> types_pb2.LoadReport:
+    """A worker's load report, asked with its cluster's internal token."""
+    async with make_channel(address, ChannelSecurity.internal(token)) as channel:
         stub = (prefill_pb2_grpc.PrefillStub if kind == "prefill"
                 else decode_pb2_grpc.DecodeStub)(channel)
         return await stub.GetLoad(types_pb2.LoadRequest(), timeout=5)
@@ -47,7 +49,8 @@ async def wait_all_free(cluster, timeout_s=10.0):
     """Poll every worker until its pages and slots are all free again; return the reports."""
     deadline = time.monotonic() + timeout_s
     while True:
-        reports = [await worker_load(w.address, w.kind) for w in cluster.workers]
+        reports = [await worker_load(w.address, w.kind, cluster.internal_token)
+                   for w in cluster.workers]
         if all(r.free_pages == r.total_pages and r.free_slots == r.total_slots
                for r in reports) or time.monotonic() > deadline:
             return reports
@@ -85,10 +88,11 @@ def two_by_two():
 def test_32_concurrent_streams_are_right_and_use_both_decode_workers(two_by_two):
     prompts = [[(7 * i + j) % 256 for j in range(1 + (i * 5) % 23)] for i in range(32)]
     expected = local_greedy(load_model("tiny"), prompts)
-    before = [asyncio.run(worker_load(w.address, w.kind)) for w in two_by_two.workers]
+    token = two_by_two.internal_token
+    before = [asyncio.run(worker_load(w.address, w.kind, token)) for w in two_by_two.workers]
     outs = asyncio.run(generate_all(two_by_two.router_address, prompts))
     assert [o.token_ids for o in outs] == expected
-    after = [asyncio.run(worker_load(w.address, w.kind)) for w in two_by_two.workers]
+    after = [asyncio.run(worker_load(w.address, w.kind, token)) for w in two_by_two.workers]
     admitted = [a.counters["admitted"] - b.counters["admitted"]
                 for w, b, a in zip(two_by_two.workers, before, after) if w.kind == "decode"]
     assert sum(admitted) == 32 and min(admitted) > 0, admitted

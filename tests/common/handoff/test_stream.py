@@ -221,14 +221,15 @@ def test_bad_checksum(make_payload, layout, fingerprint):
     parts = list(split_payload(make_payload()))
     sums = dict(parts[-1].checksums)
     sums["ssm_state"] ^= 0x1
-    parts[-1] = TrailerPart(sums)
+    parts[-1] = TrailerPart(sums, first_token=5)
     err = _receive_and_fail(layout, fingerprint, parts, "DATA_LOSS")
     assert "ssm_state" in str(err)
 
 
 def test_trailer_with_wrong_fields(make_payload, layout, fingerprint):
     parts = list(split_payload(make_payload()))
-    parts[-1] = TrailerPart({k: v for k, v in parts[-1].checksums.items() if k != "kv"})
+    parts[-1] = TrailerPart({k: v for k, v in parts[-1].checksums.items() if k != "kv"},
+                            first_token=5)
     _receive_and_fail(layout, fingerprint, parts, "INVALID_ARGUMENT")
 
 
@@ -262,8 +263,8 @@ def test_abort_releases_once(make_payload, layout, fingerprint):
 
 def test_broken_reservation_is_released(make_payload, layout, fingerprint):
     class Broken(InMemoryReservation):
-        def destination(self, field, layer):
-            return torch.empty(3, dtype=torch.uint8)  # wrong size: a receiver bug
+        def write(self, field, layer, offset, data):
+            raise ValueError("a receiver bug: the write did not fit its destination")
 
     made = []
 
@@ -305,3 +306,9 @@ def test_sender_rejects_payload_that_breaks_its_layout(make_payload):
     with pytest.raises(HandoffError) as info:
         next(split_payload(payload))
     assert info.value.code == "INVALID_ARGUMENT"
+
+
+def test_trailer_without_first_token_is_invalid(layout, fingerprint, make_payload):
+    parts = list(split_payload(make_payload(9)))
+    parts[-1] = TrailerPart(parts[-1].checksums)
+    _receive_and_fail(layout, fingerprint, parts, "INVALID_ARGUMENT")

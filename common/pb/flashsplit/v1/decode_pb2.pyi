@@ -40,12 +40,11 @@ class LayoutDescriptor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., full_attention_layers: _Optional[_Iterable[int]] = ..., gdn_layers: _Optional[_Iterable[int]] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., conv_dim: _Optional[int] = ..., conv_window: _Optional[int] = ..., num_key_heads: _Optional[int] = ..., num_value_heads: _Optional[int] = ..., key_head_dim: _Optional[int] = ..., value_head_dim: _Optional[int] = ..., state_layout: _Optional[str] = ..., ssm_dtype: _Optional[str] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("handoff_id", "model_fingerprint", "layout", "prompt_len", "first_token", "prompt_token_ids", "sampling", "manifest", "request_id")
+    __slots__ = ("handoff_id", "model_fingerprint", "layout", "prompt_len", "prompt_token_ids", "sampling", "manifest", "request_id")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
@@ -54,12 +53,11 @@ class HandoffHeader(_message.Message):
     model_fingerprint: str
     layout: LayoutDescriptor
     prompt_len: int
-    first_token: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _types_pb2.SamplingParams
     manifest: bytes
     request_id: str
-    def __init__(self, handoff_id: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[LayoutDescriptor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., first_token: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., manifest: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, handoff_id: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[LayoutDescriptor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., manifest: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("field", "layer", "offset", "data")
@@ -74,7 +72,7 @@ class TensorChunk(_message.Message):
     def __init__(self, field: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class HandoffTrailer(_message.Message):
-    __slots__ = ("crc32",)
+    __slots__ = ("crc32", "first_token")
     class Crc32Entry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,8 +81,10 @@ class HandoffTrailer(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     crc32: _containers.ScalarMap[str, int]
-    def __init__(self, crc32: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    first_token: int
+    def __init__(self, crc32: _Optional[_Mapping[str, int]] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class HandoffMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer")

@@ -64,11 +64,13 @@ class DecodeServicer:
 
     def Handoff(self, request_iterator, context):
         """/ Receive one request's prompt state: a header, tensor chunks, then a trailer (docs/protocol.md).
-        / The worker answers the header with `accepted` once it has reserved KV pages and a state slot,
-        / or ends the call with FAILED_PRECONDITION (incompatible model or layout), INVALID_ARGUMENT
-        / (malformed), RESOURCE_EXHAUSTED (no room) or ABORTED (request cancelled); the sender writes
-        / chunks only after `accepted`. After the trailer it answers `ack` once the request is admitted,
-        / or ends with INVALID_ARGUMENT / DATA_LOSS (bad or missing bytes, checksum mismatch).
+        / The sender opens the call before it prefills the prompt and streams each part of the state as
+        / it is computed. The worker answers the header with `accepted` once it has reserved KV pages
+        / and a state slot, or ends the call with FAILED_PRECONDITION (incompatible model or layout),
+        / INVALID_ARGUMENT (malformed), RESOURCE_EXHAUSTED (no room) or ABORTED (request cancelled);
+        / the sender prefills and writes chunks only after `accepted`. After the trailer it answers
+        / `ack` once the request is admitted, or ends with INVALID_ARGUMENT / DATA_LOSS (bad or
+        / missing bytes, checksum mismatch). A call that ends early frees everything it reserved.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -76,7 +76,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("kind", "address", "model_fingerprint", "free_pages", "total_pages", "free_slots", "total_slots", "queue_len", "running", "counters")
+    __slots__ = ("kind", "address", "model_fingerprint", "free_pages", "total_pages", "free_slots", "total_slots", "queue_len", "running", "counters", "max_request_tokens")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class LoadReport(_message.Message):
     QUEUE_LEN_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     kind: WorkerKind
     address: str
     model_fingerprint: str
@@ -104,4 +105,5 @@ class LoadReport(_message.Message):
     queue_len: int
     running: int
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, kind: _Optional[_Union[WorkerKind, str]] = ..., address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., queue_len: _Optional[int] = ..., running: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    max_request_tokens: int
+    def __init__(self, kind: _Optional[_Union[WorkerKind, str]] = ..., address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., queue_len: _Optional[int] = ..., running: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., max_request_tokens: _Optional[int] = ...) -> None: ...

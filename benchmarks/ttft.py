@@ -1,0 +1,190 @@
+"""Time to first token: the same checkpoint in process and through router -> prefill -> decode.
+
+Both sides run in this one run, on the same device, so the ratio is what disaggregation costs:
+
+- TTFT of one prompt at each length (default 2k, 8k, 32k tokens), the median of ``--repeats``;
+  in process it is one engine's prefill (``generate`` of one token), through the split it is
+  the client's time to the first streamed token;
+- ``--concurrent`` prompts of ``--concurrent-len`` tokens generating ``--concurrent-new`` tokens
+  each, at once: wall time and median TTFT;
+- the prefill worker's timings of the split (queue, prefill, handoff after the prompt) and the
+  handoff bytes.
+
+On a GPU the checkpoint is a Qwen3.5-4B-shaped model with random weights, written once to
+``--workdir``; ``--model`` takes any checkpoint directory (or ``tiny`` on the CPU).
+
+    python -m benchmarks.ttft --device cuda [--lengths 2048,8192,32768] [--out out/ttft.json]
+    python -m benchmarks.ttft --model tiny --device cpu --lengths 64,256 --concurrent 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+from common.engine.scheduler import SchedulerConfig
+from common.model.load import load_model
+from common.sampling import SamplingParams
+from router.cluster import Cluster, ClusterConfig
+from router.remote import generate, request_to_pb
+
+PAGE_SIZE = 16
+
+
+def prompt_of(length: int, seed: int, vocab: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, min(vocab, 200_000), (length,), generator=gen).tolist()
+
+
+def random_checkpoint(workdir: Path) -> str:
+    """A Qwen3.5-4B-shaped checkpoint with random weights (made once, then reused)."""
+    from benchmarks.decode import build
+    from benchmarks.shapes import QWEN3_5_4B
+    from safetensors.torch import save_file
+
+    path = workdir / "qwen3.5-4b-random"
+    if (path / "model.safetensors").exists():
+        return str(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model, _ = build("gpu", with_draft=False)
+    (path / "config.json").write_text(json.dumps(dict(QWEN3_5_4B)))
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+              str(path / "model.safetensors"))
+    del model
+    torch.cuda.empty_cache()
+    return str(path)
+
+
+def in_process(args, lengths: list[int]) -> dict:
+    from common.ops.gpu_backends import select_kernels
+
+    kernels = select_kernels("gpu" if args.device.startswith("cuda") else "reference")
+    model = load_model(args.model, device=args.device, kernels=kernels)
+    vocab = model.config.vocab_size
+    engine = LLMEngine(model, EngineConfig(
+        device=args.device, cache=CacheConfig(page_size=PAGE_SIZE, num_pages=args.num_pages,
+                                              num_slots=args.concurrent + 2),
+        scheduler=SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens)))
+    engine.warmup()
+    one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    out = {}
+    for n in lengths:
+        times = []
+        for r in range(args.repeats + 1):  # the first run warms this shape up
+            prompt = prompt_of(n, r, vocab)
+            sync(args.device)
+            start = time.perf_counter()
+            engine.generate([prompt], one)
+            sync(args.device)
+            times.append(time.perf_counter() - start)
+        out[n] = statistics.median(times[1:])
+    prompts = [prompt_of(args.concurrent_len, 100 + i, vocab) for i in range(args.concurrent)]
+    many = SamplingParams(temperature=0.0, max_new_tokens=args.concurrent_new, ignore_eos=True)
+    start = time.perf_counter()
+    engine.generate(prompts, many)
+    sync(args.device)
+    out["concurrent_s"] = time.perf_counter() - start
+    del engine, model
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return out
+
+
+def disaggregated(args, lengths: list[int], vocab: int) -> dict:
+    worker_args = ("--device", args.device, "--page-size", str(PAGE_SIZE),
+                   "--num-pages", str(args.num_pages), "--num-slots", str(args.concurrent + 2),
+                   "--max-prefill-tokens", str(args.max_prefill_tokens))
+    config = ClusterConfig(model=args.model, worker_args=worker_args, start_timeout_s=900)
+    one = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    out: dict = {"timings": {}}
+    with Cluster(config) as cluster:
+        address = cluster.router_address
+
+        async def ttft(prompt, params):
+            start = time.perf_counter()
+            first = None
+
+            def seen(_text):
+                nonlocal first
+                first = first or time.perf_counter()
+
+            done = await generate(address, request_to_pb(token_ids=prompt, params=params),
+                                  timeout_s=600, on_text=seen)
+            return (first or time.perf_counter()) - start, done
+
+        for n in lengths:
+            times, last = [], None
+            for r in range(args.repeats + 1):
+                t, last = asyncio.run(ttft(prompt_of(n, r, vocab), one))
+                times.append(t)
+            out[n] = statistics.median(times[1:])
+            out["timings"][n] = {"client_ttft_s": times[1:],
+                                 "router_ttft_s": last.time_to_first_token_s}
+
+        async def concurrent():
+            prompts = [prompt_of(args.concurrent_len, 100 + i, vocab)
+                       for i in range(args.concurrent)]
+            many = SamplingParams(temperature=0.0, max_new_tokens=args.concurrent_new,
+                                  ignore_eos=True)
+            start = time.perf_counter()
+            results = await asyncio.gather(*[ttft(p, many) for p in prompts])
+            return time.perf_counter() - start, [t for t, _ in results]
+
+        out["concurrent_s"], ttfts = asyncio.run(concurrent())
+        out["concurrent_median_ttft_s"] = statistics.median(ttfts)
+    return out
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks.ttft", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="checkpoint dir or 'tiny' (default: a random 4B-shaped one on CUDA)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--lengths", default="2048,8192,32768")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--concurrent", type=int, default=16)
+    p.add_argument("--concurrent-len", type=int, default=2048)
+    p.add_argument("--concurrent-new", type=int, default=128)
+    p.add_argument("--num-pages", type=int, default=6144)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--workdir", default="/tmp/flashsplit-bench")
+    p.add_argument("--out", default="out/ttft.json")
+    args = p.parse_args(argv)
+    if args.model is None:
+        args.model = random_checkpoint(Path(args.workdir))
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    local = in_process(args, lengths)
+    from common.model.load import load_config
+    split = disaggregated(args, lengths, load_config(args.model).vocab_size)
+    rows = [(f"TTFT {n} tokens", local[n], split[n]) for n in lengths]
+    rows.append((f"{args.concurrent} x {args.concurrent_len} (+{args.concurrent_new}) wall",
+                 local["concurrent_s"], split["concurrent_s"]))
+    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda")
+              else "cpu", "model": args.model, "transport": "stream",
+              "in_process": {str(k): v for k, v in local.items()},
+              "disaggregated": {str(k): v for k, v in split.items()}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"\n{'case':<34} {'in process':>11} {'split':>11} {'ratio':>7}")
+    for name, a, b in rows:
+        print(f"{name:<34} {a * 1e3:>9.1f}ms {b * 1e3:>9.1f}ms {b / a:>7.2f}")
+    print(f"median TTFT of the {args.concurrent} concurrent, split: "
+          f"{split['concurrent_median_ttft_s'] * 1e3:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

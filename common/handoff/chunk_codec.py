@@ -1,0 +1,158 @@
+"""Chunk messages in protobuf wire form, written with one copy of their data and read with none.
+
+Through the protobuf runtime (upb) a chunk's bytes are copied four times before gRPC sees them:
+into a ``bytes`` object (protobuf takes no memoryview), into the message when it is built, into
+the serialized string, and gRPC's own copy; the receiver copies them again when it reads
+``chunk.data``. Handing gRPC pre-serialized bytes (a method registered with no serializer) skips
+protobuf on the data path:
+
+- ``encode_chunk`` returns exactly ``HandoffMessage(chunk=TensorChunk(...)).SerializeToString()``,
+  made with a single copy of ``data`` (``bytes.join`` of a small prefix and the buffer);
+- ``decode_chunk`` reads such a message in place: the data is a memoryview into the received
+  bytes, for ``np.frombuffer`` to land straight in its destination.
+
+The wire format does not change, so either side may use protobuf instead. ``decode_chunk``
+returns None for anything but one plain chunk (a header, a trailer, a field repeated, a
+malformed message): parse those with ``HandoffMessage.FromString``, which then answers exactly
+as protobuf would, errors included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Field numbers in proto/flashsplit/v1/decode.proto: HandoffMessage.chunk = 2;
+# TensorChunk.field = 1, layer = 2, offset = 3, data = 4.
+_MESSAGE_CHUNK = 2
+_FIELD, _LAYER, _OFFSET, _DATA = 1, 2, 3, 4
+_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+_U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
+_MAX_FIELD_NUMBER = (1 << 29) - 1
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _key(number: int, wire_type: int) -> bytes:
+    return _varint(number << 3 | wire_type)
+
+
+def chunk_prefix(field: str, layer: int, offset: int, nbytes: int) -> bytes:
+    """The bytes of an encoded chunk that come before its ``nbytes`` of data."""
+    if not 0 <= layer <= _U32:
+        raise ValueError(f"layer must fit a uint32, got {layer}")
+    if not 0 <= offset <= _U64:
+        raise ValueError(f"offset must fit a uint64, got {offset}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    # proto3 leaves out fields at their default value; so do we, to match protobuf byte for byte
+    name = field.encode("utf-8")
+    inner = b""
+    if name:
+        inner += _key(_FIELD, _LENGTH) + _varint(len(name)) + name
+    if layer:
+        inner += _key(_LAYER, _VARINT) + _varint(layer)
+    if offset:
+        inner += _key(_OFFSET, _VARINT) + _varint(offset)
+    if nbytes:
+        inner += _key(_DATA, _LENGTH) + _varint(nbytes)
+    return _key(_MESSAGE_CHUNK, _LENGTH) + _varint(len(inner) + nbytes) + inner
+
+
+def encode_chunk(field: str, layer: int, offset: int, data) -> bytes:
+    """The serialized ``HandoffMessage`` carrying this chunk, with one copy of ``data`` (any
+    C-contiguous buffer: bytes, memoryview, a numpy array, ...)."""
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("chunk data must be a C-contiguous buffer")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return b"".join((chunk_prefix(field, layer, offset, view.nbytes), view))
+
+
+@dataclass(frozen=True)
+class RawChunk:
+    """A decoded chunk; ``data`` is a read-only view into the message it came from."""
+
+    field: str
+    layer: int
+    offset: int
+    data: memoryview
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    """(value, next position); raises IndexError past ``end``, ValueError past 10 bytes."""
+    value = shift = 0
+    while True:
+        if pos >= end:
+            raise IndexError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift >= 70:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def _skip(buf: memoryview, wire_type: int, pos: int, end: int) -> int:
+    if wire_type == _VARINT:
+        return _read_varint(buf, pos, end)[1]
+    size = {_FIXED64: 8, _FIXED32: 4}.get(wire_type)
+    if wire_type == _LENGTH:
+        size, pos = _read_varint(buf, pos, end)
+    if size is None or pos + size > end:
+        raise ValueError("unsupported wire type or truncated field")
+    return pos + size
+
+
+def decode_chunk(message: bytes | memoryview) -> RawChunk | None:
+    """The chunk in a serialized ``HandoffMessage``, read without copying its data; None when
+    the message is not exactly one chunk with each field at most once (parse it with protobuf
+    then)."""
+    buf = memoryview(message)
+    if buf.ndim != 1 or buf.format != "B":
+        buf = buf.cast("B")
+    end = len(buf)
+    try:
+        key, pos = _read_varint(buf, 0, end)
+        if key != (_MESSAGE_CHUNK << 3 | _LENGTH):
+            return None
+        length, pos = _read_varint(buf, pos, end)
+        if pos + length != end:  # another part or field follows: protobuf's merge rules apply
+            return None
+        seen: dict[int, object] = {}
+        while pos < end:
+            key, pos = _read_varint(buf, pos, end)
+            number, wire_type = key >> 3, key & 7
+            if not 0 < number <= _MAX_FIELD_NUMBER:
+                return None  # protobuf rejects the message
+            if number in (_FIELD, _DATA) and wire_type == _LENGTH:
+                size, pos = _read_varint(buf, pos, end)
+                if pos + size > end:
+                    return None
+                value: object = buf[pos:pos + size]
+                pos += size
+            elif number in (_LAYER, _OFFSET) and wire_type == _VARINT:
+                value, pos = _read_varint(buf, pos, end)
+            elif number in (_FIELD, _LAYER, _OFFSET, _DATA):
+                return None  # a known field with another wire type
+            else:
+                pos = _skip(buf, wire_type, pos, end)  # unknown fields are ignored, as protobuf does
+                continue
+            if number in seen:
+                return None
+            seen[number] = value
+        name = bytes(seen.get(_FIELD, b"")).decode("utf-8")
+    except (IndexError, ValueError):  # truncated, overlong or not UTF-8: protobuf reports it
+        return None
+    data = seen.get(_DATA, memoryview(b""))
+    return RawChunk(field=name, layer=seen.get(_LAYER, 0) & _U32,
+                    offset=seen.get(_OFFSET, 0) & _U64, data=data.toreadonly())
