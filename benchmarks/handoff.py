@@ -94,18 +94,47 @@ def copy_seconds(payload: HandoffPayload, repeats: int) -> float:
     return best
 
 
-async def measure(address: str, config: ModelConfig, lengths, repeats: int) -> list[dict]:
-    from prefill_service.handoff_sender import HandoffSender
+def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> list[bytes]:
+    """The payload's messages as the prefill worker writes them: the header and trailer through
+    protobuf, every layer's bytes encoded straight from tensor memory into chunks with their
+    checksums (``prefill_service/state_reader.py``)."""
+    from common import convert
+    from common.handoff.parts import TrailerPart
+    from common.handoff.stream import header_of
+    from prefill_service.state_reader import StateReader, fold_checksums, new_ledgers
 
-    sender = HandoffSender()
+    header = header_of(payload)
+    ledgers = new_ledgers(header.manifest)
+    encoder = StateReader(*(torch.empty(0),) * 3, None, chunk_bytes=chunk_bytes)
+    messages = [convert.handoff_part_to_pb(header).SerializeToString()]
+    for name, tensor in payload.fields.items():
+        flat = tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
+        for layer in range(tensor.shape[0]):
+            messages += encoder.encode(name, layer, 0, memoryview(flat[layer]), ledgers)
+    trailer = TrailerPart(fold_checksums(header.manifest, ledgers), payload.first_token)
+    return messages + [convert.handoff_part_to_pb(trailer).SerializeToString()]
+
+
+async def measure(address: str, config: ModelConfig, lengths, repeats: int,
+                  chunk_bytes: int) -> list[dict]:
+    from common.channels import ChannelSecurity, make_channel
+    from common.pb.flashsplit.v1 import decode_pb2
+    from prefill_service.handoff_sender import HANDOFF_METHOD, send_handoff
+
     rows = []
-    try:
+    async with make_channel(address, ChannelSecurity()) as channel:
+        handoff = channel.stream_stream(HANDOFF_METHOD, request_serializer=None,
+                                        response_deserializer=decode_pb2.HandoffReply.FromString)
+
+        class Stub:  # send_handoff's view of a stub: pre-encoded messages go out as they are
+            Handoff = staticmethod(handoff)
+
         for n in lengths:
             best = float("inf")
             for _ in range(repeats):
                 payload = make_payload(config, n)  # a fresh handoff id each time
                 start = time.perf_counter()
-                await sender.send(address, payload)
+                await send_handoff(Stub, encoded_messages(payload, chunk_bytes), 600.0)
                 best = min(best, time.perf_counter() - start)
             nbytes = sum(t.numel() * t.element_size() for t in payload.fields.values())
             copy_s = copy_seconds(payload, repeats)
@@ -113,12 +142,12 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int) -> l
                          "handoff_MBps": nbytes / best / 1e6, "memcpy_s": copy_s,
                          "memcpy_MBps": nbytes / copy_s / 1e6,
                          "slowdown_vs_memcpy": best / copy_s})
-    finally:
-        await sender.close()
     return rows
 
 
 def run_shape(shape: str, lengths, repeats: int) -> list[dict]:
+    from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES
+
     config = config_for(shape)
     num_pages = max(lengths) // PAGE_SIZE + 2
     server = subprocess.Popen([sys.executable, "-m", "benchmarks.handoff", "--serve", shape,
@@ -127,7 +156,8 @@ def run_shape(shape: str, lengths, repeats: int) -> list[dict]:
         line = server.stdout.readline()
         if "listening on" not in line:
             raise RuntimeError(f"decode server for {shape} did not start: {line!r}")
-        rows = asyncio.run(measure(line.split()[-1], config, lengths, repeats))
+        rows = asyncio.run(measure(line.split()[-1], config, lengths, repeats,
+                                   DEFAULT_CHUNK_BYTES))
     finally:
         server.terminate()
         server.wait()

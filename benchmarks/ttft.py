@@ -7,8 +7,8 @@ Both sides run in this one run, on the same device, so the ratio is what disaggr
   the client's time to the first streamed token;
 - ``--concurrent`` prompts of ``--concurrent-len`` tokens generating ``--concurrent-new`` tokens
   each, at once: wall time and median TTFT;
-- the prefill worker's timings of the split (queue, prefill, handoff after the prompt) and the
-  handoff bytes.
+- each ``--transports`` value (``--handoff-transport`` of both workers) in a cluster of its own;
+  the first token through the split is checked against the in-process one.
 
 On a GPU the checkpoint is a Qwen3.5-4B-shaped model with random weights, written once to
 ``--workdir``; ``--model`` takes any checkpoint directory (or ``tiny`` on the CPU).
@@ -74,17 +74,18 @@ def in_process(args, lengths: list[int]) -> dict:
         scheduler=SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens)))
     engine.warmup()
     one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
-    out = {}
+    out = {"first_tokens": {}}
     for n in lengths:
         times = []
         for r in range(args.repeats + 1):  # the first run warms this shape up
             prompt = prompt_of(n, r, vocab)
             sync(args.device)
             start = time.perf_counter()
-            engine.generate([prompt], one)
+            (req,) = engine.generate([prompt], one)
             sync(args.device)
             times.append(time.perf_counter() - start)
         out[n] = statistics.median(times[1:])
+        out["first_tokens"][n] = req.output_ids[0]
     prompts = [prompt_of(args.concurrent_len, 100 + i, vocab) for i in range(args.concurrent)]
     many = SamplingParams(temperature=0.0, max_new_tokens=args.concurrent_new, ignore_eos=True)
     start = time.perf_counter()
@@ -97,13 +98,14 @@ def in_process(args, lengths: list[int]) -> dict:
     return out
 
 
-def disaggregated(args, lengths: list[int], vocab: int) -> dict:
+def disaggregated(args, lengths: list[int], vocab: int, transport: str) -> dict:
     worker_args = ("--device", args.device, "--page-size", str(PAGE_SIZE),
                    "--num-pages", str(args.num_pages), "--num-slots", str(args.concurrent + 2),
-                   "--max-prefill-tokens", str(args.max_prefill_tokens))
+                   "--max-prefill-tokens", str(args.max_prefill_tokens),
+                   "--handoff-transport", transport)
     config = ClusterConfig(model=args.model, worker_args=worker_args, start_timeout_s=900)
     one = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
-    out: dict = {"timings": {}}
+    out: dict = {"timings": {}, "first_tokens": {}}
     with Cluster(config) as cluster:
         address = cluster.router_address
 
@@ -127,6 +129,7 @@ def disaggregated(args, lengths: list[int], vocab: int) -> dict:
             out[n] = statistics.median(times[1:])
             out["timings"][n] = {"client_ttft_s": times[1:],
                                  "router_ttft_s": last.time_to_first_token_s}
+            out["first_tokens"][n] = last.token_ids[0]
 
         async def concurrent():
             prompts = [prompt_of(args.concurrent_len, 100 + i, vocab)
@@ -160,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrent-new", type=int, default=128)
     p.add_argument("--num-pages", type=int, default=6144)
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--transports", default="auto,stream",
+                   help="--handoff-transport values to measure, each its own cluster")
     p.add_argument("--workdir", default="/tmp/flashsplit-bench")
     p.add_argument("--out", default="out/ttft.json")
     args = p.parse_args(argv)
@@ -168,21 +173,29 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     local = in_process(args, lengths)
     from common.model.load import load_config
-    split = disaggregated(args, lengths, load_config(args.model).vocab_size)
-    rows = [(f"TTFT {n} tokens", local[n], split[n]) for n in lengths]
+    vocab = load_config(args.model).vocab_size
+    transports = [t for t in args.transports.split(",") if t]
+    split = {t: disaggregated(args, lengths, vocab, t) for t in transports}
+    rows = [(f"TTFT {n} tokens", n) for n in lengths]
     rows.append((f"{args.concurrent} x {args.concurrent_len} (+{args.concurrent_new}) wall",
-                 local["concurrent_s"], split["concurrent_s"]))
+                 "concurrent_s"))
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda")
-              else "cpu", "model": args.model, "transport": "stream",
+              else "cpu", "model": args.model,
               "in_process": {str(k): v for k, v in local.items()},
-              "disaggregated": {str(k): v for k, v in split.items()}}
+              "disaggregated": {t: {str(k): v for k, v in r.items()} for t, r in split.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"\n{'case':<34} {'in process':>11} {'split':>11} {'ratio':>7}")
-    for name, a, b in rows:
-        print(f"{name:<34} {a * 1e3:>9.1f}ms {b * 1e3:>9.1f}ms {b / a:>7.2f}")
-    print(f"median TTFT of the {args.concurrent} concurrent, split: "
-          f"{split['concurrent_median_ttft_s'] * 1e3:.1f} ms")
+    head = "".join(f" {t:>11} {'ratio':>6}" for t in transports)
+    print(f"\n{'case':<34} {'in process':>11}{head}")
+    for name, key in rows:
+        a = local[key]
+        cells = "".join(f" {split[t][key] * 1e3:>9.1f}ms {split[t][key] / a:>6.2f}"
+                        for t in transports)
+        print(f"{name:<34} {a * 1e3:>9.1f}ms{cells}")
+    for t in transports:
+        same = split[t]["first_tokens"] == local["first_tokens"]
+        print(f"{t}: first tokens equal in process: {same}; median TTFT of the "
+              f"{args.concurrent} concurrent: {split[t]['concurrent_median_ttft_s'] * 1e3:.1f} ms")
     return 0
 
 

@@ -13,7 +13,7 @@ import msgpack
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.manifest import FieldSpec
-from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, TrailerPart
+from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, PoolCopyPart, TrailerPart
 from common.limits import check_request_id, unique_stop_token_ids
 from common.load_report import LoadReport
 from common.pb.flashsplit.v1 import decode_pb2, types_pb2
@@ -150,7 +150,11 @@ def handoff_part_to_pb(part: HandoffPart) -> decode_pb2.HandoffMessage:
             layout=layout_to_pb(part.layout), prompt_len=part.prompt_len,
             prompt_token_ids=list(part.prompt_ids),
             sampling=sampling_to_pb(part.sampling, part.speculative),
-            manifest=manifest_to_bytes(part.manifest), request_id=part.request_id))
+            manifest=manifest_to_bytes(part.manifest), request_id=part.request_id,
+            source_pools=part.source_pools))
+    if isinstance(part, PoolCopyPart):
+        return decode_pb2.HandoffMessage(pool_copy=decode_pb2.PoolCopy(
+            field=part.field, src_index=list(part.src_index), dst_start=part.dst_start))
     if isinstance(part, TrailerPart):
         return decode_pb2.HandoffMessage(trailer=decode_pb2.HandoffTrailer(
             crc32=dict(part.checksums), first_token=part.first_token))
@@ -163,6 +167,9 @@ def handoff_part_from_pb(msg: decode_pb2.HandoffMessage) -> HandoffPart:
     if kind == "chunk":
         c = msg.chunk
         return ChunkPart(field=c.field, layer=c.layer, offset=c.offset, data=c.data)
+    if kind == "pool_copy":
+        c = msg.pool_copy
+        return PoolCopyPart(field=c.field, src_index=tuple(c.src_index), dst_start=c.dst_start)
     if kind == "trailer":
         t = msg.trailer
         return TrailerPart(checksums=dict(t.crc32),
@@ -187,7 +194,7 @@ def handoff_part_from_pb(msg: decode_pb2.HandoffMessage) -> HandoffPart:
         handoff_id=h.handoff_id, fingerprint=h.model_fingerprint, layout=layout_from_pb(h.layout),
         prompt_ids=tuple(h.prompt_token_ids), sampling=sampling,
         manifest=manifest_from_bytes(h.manifest), speculative=speculative_from_pb(h.sampling),
-        request_id=h.request_id)
+        request_id=h.request_id, source_pools=h.source_pools)
 
 
 # load

@@ -47,7 +47,6 @@ class GracefulShutdown:
             raise ValueError(f"final_s must be >= 0, got {final_s}")
         self.name = name
         self.final_s = final_s
-        self.draining = asyncio.Event()
         self.expired = asyncio.Event()
         self._cut = False
         self._calls: set[asyncio.Task] = set()
@@ -143,7 +142,6 @@ async def stop_gracefully(server: grpc.aio.Server, health: Any, shutdown: Gracef
     """Run the module docstring's sequence; returns once the server has stopped."""
     if grace < 0:
         raise ValueError(f"grace must be >= 0, got {grace}")
-    shutdown.draining.set()
     if health is not None:
         await health.enter_graceful_shutdown()
     stop = asyncio.ensure_future(

@@ -16,10 +16,18 @@ from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig
 
 
+HANDOFF_TRANSPORTS = ("auto", "stream", "device")
+
+
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (it is printed)")
     p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (built in)")
+    p.add_argument("--handoff-transport", choices=HANDOFF_TRANSPORTS, default="auto",
+                   help="how prompt state moves from prefill to decode: 'stream' (gRPC bytes, "
+                        "works anywhere), 'device' (same host: the decode worker copies out of "
+                        "the prefill worker's pools through CUDA IPC or shared memory), 'auto' "
+                        "(device where both ends can, else stream) (default: %(default)s)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the config's)")
     p.add_argument("--page-size", type=int, default=16)

@@ -21,7 +21,8 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     llm, layout, fingerprint = build_engine(args, prefill=False)
     service = build_decode_service(llm, layout, fingerprint, host=args.host, port=args.port,
                                    max_handoff_bytes=args.max_handoff_bytes,
-                                   security=server_security)
+                                   security=server_security,
+                                   transport=args.handoff_transport)
     try:
         return await serve_until_signal(
             service.server, service.health, [SERVICE_NAME],

@@ -16,6 +16,7 @@ from common.engine.loop import EngineLoop
 from common.engine.scheduler import RequestTooLarge
 from common.handoff.errors import HandoffError
 from common.handoff.parts import HeaderPart
+from decode_service.peer_pools import SourcePools
 from decode_service.reservation import PoolReservation
 
 log = logging.getLogger(__name__)
@@ -33,14 +34,22 @@ class DecodeEngine(EngineLoop):
         self.counters = {"admitted": 0, "finished": 0, "aborted": 0, "generated_tokens": 0}
 
     # --- any thread ---
-    def reserve(self, header: HeaderPart) -> Future:
+    def reserve(self, header: HeaderPart, source: SourcePools | None = None) -> Future:
         """A future of the :class:`PoolReservation` for a handoff's header, taken on the engine
         thread; it fails with RESOURCE_EXHAUSTED (no room) or FAILED_PRECONDITION (a draft
-        context this worker's draft cannot use)."""
-        return self.call(self._reserve, header)
+        context this worker's draft cannot use). ``source``: the sender's pools, when the
+        handoff comes as pool copies."""
+        return self.call(self._reserve, header, source)
+
+    @property
+    def pools(self) -> SourcePools:
+        """This worker's pools (what a sender's must match for pool copies)."""
+        e = self.engine
+        return SourcePools(e.kv_pool.kv, e.state_pool.conv, e.state_pool.ssm,
+                           e.speculator.draft_pool.kv if e.speculator is not None else None)
 
     # --- engine thread ---
-    def _reserve(self, header: HeaderPart) -> PoolReservation:
+    def _reserve(self, header: HeaderPart, source: SourcePools | None) -> PoolReservation:
         e = self.engine
         self._check_draft_context(header)
         try:
@@ -65,7 +74,7 @@ class DecodeEngine(EngineLoop):
         return PoolReservation(
             header, page_ids, slot, kv=e.kv_pool.kv, conv=e.state_pool.conv,
             ssm=e.state_pool.ssm, draft_kv=e.speculator.draft_pool.kv if speculate else None,
-            free=lambda ids, s: self.call(self._free_room, ids, s), after=after)
+            free=lambda ids, s: self.call(self._free_room, ids, s), after=after, source=source)
 
     def _free_room(self, page_ids: list[int], slot: int) -> None:
         self.engine.kv_pool.allocator.free(page_ids)

@@ -20,8 +20,10 @@ from typing import Callable
 import torch
 
 from common.handoff.layout import to_dtype
-from common.handoff.parts import HeaderPart
+from common.handoff.errors import HandoffError
+from common.handoff.parts import HeaderPart, PoolCopyPart
 from common.handoff.reservation import host_bytes, write_bytes
+from decode_service.peer_pools import SourcePools
 
 
 def write_paged(pool: torch.Tensor, layer: int, page_ids: list[int], num_pages: int,
@@ -57,18 +59,22 @@ class PoolReservation:
 
     ``free(page_ids, slot)`` gives the room back (the engine queues it onto its thread);
     ``release`` is idempotent and loses to an admission that already took the room. ``after``
-    (a GPU) marks the engine's stream at reservation: copies wait for it.
+    (a GPU) marks the engine's stream at reservation: copies wait for it. ``source``: the
+    sender's pools, opened for the ``device`` transport (then ``copy_from`` serves).
     """
 
     def __init__(self, header: HeaderPart, page_ids: list[int], slot: int, *,
                  kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
                  draft_kv: torch.Tensor | None, free: Callable[[list[int], int], None],
-                 after: torch.cuda.Event | None = None) -> None:
+                 after: torch.cuda.Event | None = None,
+                 source: SourcePools | None = None) -> None:
         self.header = header
         self.page_ids = page_ids
         self.slot = slot
         self._kv, self._conv, self._ssm, self._draft_kv = kv, conv, ssm, draft_kv
         self._free = free
+        self.source = source  # the sender's pools, when the handoff comes as pool copies
+        self._pool_copies = False
         on_gpu = kv.device.type == "cuda"
         self._stream = torch.cuda.Stream(kv.device) if on_gpu else None
         if self._stream is not None and after is not None:
@@ -110,9 +116,50 @@ class PoolReservation:
         else:
             write_bytes(self.extras[field][layer], offset, data)
 
+    def copy_from(self, part: PoolCopyPart) -> None:
+        """Run a ``device`` transport copy out of the sender's pools (``self.source``)."""
+        if self.source is None:
+            raise HandoffError("INVALID_ARGUMENT", "a pool copy without the sender's pools")
+        self._pool_copies = True
+        if self._stream is None:
+            self._copy(part)
+            return
+        with torch.cuda.stream(self._stream):
+            self._copy(part)
+
+    def _copy(self, part: PoolCopyPart) -> None:
+        src = self.source
+        pools = {"kv": (src.kv, self._kv), "dflash_context": (src.draft_kv, self._draft_kv),
+                 "conv_state": (src.conv, self._conv), "ssm_state": (src.ssm, self._ssm)}
+        theirs, ours = pools[part.field]
+        if ours is None:
+            return  # a draft context this worker has no draft for
+        if theirs is None:
+            raise HandoffError("INVALID_ARGUMENT", f"a pool copy of {part.field!r}, but the "
+                               "sender offered no such pool")
+        if max(part.src_index) >= theirs.shape[1]:
+            raise HandoffError("INVALID_ARGUMENT", f"pool copy of {part.field!r}: index "
+                               f"{max(part.src_index)} is outside the sender's pool of "
+                               f"{theirs.shape[1]}")
+        if part.field in ("conv_state", "ssm_state"):
+            ours[:, self.slot] = theirs[:, part.src_index[0]].to(ours.device)
+            return
+        end = part.dst_start + len(part.src_index)
+        dst = torch.tensor(self.page_ids[part.dst_start:end], device=ours.device)
+        index = torch.tensor(part.src_index, device=theirs.device)
+        ours[:, dst] = theirs[:, index].to(ours.device)
+        num_pages = self.header.layout.num_pages(self.header.prompt_len)
+        tail = num_pages * ours.shape[3] - self.header.prompt_len
+        if end == num_pages and tail:
+            # as the byte stream sends them: no stale rows of the sender's earlier requests
+            ours[:, self.page_ids[num_pages - 1], :, ours.shape[3] - tail:] = 0
+
     def commit(self) -> None:
-        """Every byte is written: mark where the copies end, for admission to wait on."""
+        """Every byte is written: mark where the copies end, for admission to wait on. Pool
+        copies are waited for here: the sender frees its pages once it has the ack."""
         if self._stream is not None:
+            if self._pool_copies:
+                self._stream.synchronize()
             self.copied = torch.cuda.Event()
             self.copied.record(self._stream)
 

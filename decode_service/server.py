@@ -8,13 +8,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from common import convert
 from common.engine.llm_engine import LLMEngine, TokenEvent
 from common.grpc_util import abort_if_engine_stopped, bind, make_server
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
-from common.handoff.parts import ChunkPart, HeaderPart
+from common.handoff.chunk_codec import decode_chunk
+from common.handoff.parts import ChunkPart, HeaderPart, PoolCopyPart
 from common.handoff.stream import HandoffAssembler
 from common.limits import request_capacity_tokens
 from common.load_report import LoadReport
@@ -22,6 +24,7 @@ from common.security import ServerSecurity
 from common.shutdown import GracefulShutdown
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from decode_service.engine import DecodeEngine
+from decode_service.peer_pools import PeerPools
 from decode_service.streams import TokenStreams
 
 log = logging.getLogger(__name__)
@@ -30,8 +33,11 @@ log = logging.getLogger(__name__)
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: DecodeEngine, streams: TokenStreams, layout: LayoutDescriptor,
                  fingerprint: str, address: str, max_handoff_bytes: int,
-                 shutdown: GracefulShutdown | None = None) -> None:
+                 shutdown: GracefulShutdown | None = None,
+                 transport: str = "auto") -> None:
         self.engine = engine
+        # "stream" takes bytes only; "auto" and "device" open a same-host sender's pools
+        self.peers = PeerPools(transport != "stream", engine.pools)
         self.shutdown = shutdown or GracefulShutdown("decode worker")
         self.streams = streams
         self.layout = layout
@@ -43,11 +49,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # chunks, so the writes of one handoff never run at the same time
         self.writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="handoff-writer")
 
-    async def _reserve(self, header: HeaderPart):
+    async def _reserve(self, header: HeaderPart, source):
         """Room for a checked header, taken on the engine thread."""
         if self.streams.is_aborted(header.handoff_id):
             raise HandoffError("ABORTED", f"handoff {header.handoff_id} was aborted")
-        future = self.engine.reserve(header)
+        future = self.engine.reserve(header, source)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -67,24 +73,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         reservation = None
         try:
             async for message in request_iterator:
-                try:
-                    part = convert.handoff_part_from_pb(message)
-                except ValueError as exc:
-                    raise HandoffError("INVALID_ARGUMENT", str(exc)) from None
+                part = _handoff_part(message)
                 if isinstance(part, HeaderPart):
                     assembler.check_header(part)
-                    assembler.start(part, await self._reserve(part))
+                    source = await loop.run_in_executor(self.writer, self.peers.open,
+                                                        part.source_pools)
+                    assembler.start(part, await self._reserve(part, source),
+                                    pool_copies=source is not None)
                     # room is held: only now does the sender prefill and write the payload
-                    yield decode_pb2.HandoffReply(
-                        accepted=decode_pb2.HandoffAccepted(handoff_id=part.handoff_id))
+                    yield decode_pb2.HandoffReply(accepted=decode_pb2.HandoffAccepted(
+                        handoff_id=part.handoff_id, pool_copies=source is not None))
                     continue
                 header = assembler.header
                 if header is not None and self.streams.is_aborted(header.handoff_id):
                     raise HandoffError("ABORTED", f"handoff {header.handoff_id} was aborted")
-                if isinstance(part, ChunkPart):
+                if isinstance(part, (ChunkPart, PoolCopyPart)):
                     # checksum and copy off the event loop: other handoffs and token streams
                     # share it
-                    await loop.run_in_executor(self.writer, assembler.on_chunk, part)
+                    await loop.run_in_executor(self.writer, assembler.on_part, part)
                 else:
                     assembler.on_part(part)
             # DATA_LOSS if the stream ended before the trailer; else the verified reservation
@@ -197,7 +203,8 @@ class DecodeService:
 def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: str, *,
                          host: str = "127.0.0.1", port: int = 0,
                          max_handoff_bytes: int = 8 << 30,
-                         security: ServerSecurity = ServerSecurity()) -> DecodeService:
+                         security: ServerSecurity = ServerSecurity(),
+                         transport: str = "auto") -> DecodeService:
     """Engine thread (started), token streams and servicer on a bound server that demands
     ``security`` (docs/security.md). Call from the event loop that will serve it: the streams
     post engine events to that loop. Raises OSError when the port cannot be bound."""
@@ -208,7 +215,46 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
     streams = TokenStreams(asyncio.get_running_loop())
     engine = DecodeEngine(llm, streams.post)
     engine.start()
-    decode_pb2_grpc.add_DecodeServicer_to_server(
-        DecodeServicer(engine, streams, layout, fingerprint, address,
-                       max_handoff_bytes=max_handoff_bytes, shutdown=shutdown), server)
+    add_decode_servicer(DecodeServicer(engine, streams, layout, fingerprint, address,
+                                       max_handoff_bytes=max_handoff_bytes, shutdown=shutdown,
+                                       transport=transport), server)
     return DecodeService(server, health, engine, address, shutdown)
+
+
+def _handoff_part(message: bytes):
+    """One ``Decode.Handoff`` message, as it came off the wire, as a handoff part. A chunk is
+    read in place (``chunk_codec.decode_chunk``: its data a view of the message): protobuf
+    would copy its megabytes twice, at about 0.4 GB/s. Anything else goes through protobuf."""
+    raw = decode_chunk(message)
+    if raw is not None:
+        return ChunkPart(field=raw.field, layer=raw.layer, offset=raw.offset, data=raw.data)
+    try:
+        return convert.handoff_part_from_pb(decode_pb2.HandoffMessage.FromString(message))
+    except DecodeError:
+        raise HandoffError("INVALID_ARGUMENT", "malformed handoff message") from None
+    except ValueError as exc:
+        raise HandoffError("INVALID_ARGUMENT", str(exc)) from None
+
+
+def add_decode_servicer(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
+    """``decode_pb2_grpc.add_DecodeServicer_to_server``, but ``Handoff`` takes its messages
+    as bytes (``_handoff_part`` parses them)."""
+    unary = grpc.unary_unary_rpc_method_handler
+    handlers = {
+        "Handoff": grpc.stream_stream_rpc_method_handler(
+            servicer.Handoff, request_deserializer=None,
+            response_serializer=decode_pb2.HandoffReply.SerializeToString),
+        "Stream": grpc.unary_stream_rpc_method_handler(
+            servicer.Stream, request_deserializer=decode_pb2.StreamRequest.FromString,
+            response_serializer=decode_pb2.TokenEvent.SerializeToString),
+        "Abort": unary(servicer.Abort, request_deserializer=types_pb2.AbortRequest.FromString,
+                       response_serializer=types_pb2.AbortResponse.SerializeToString),
+        "GetLoad": unary(servicer.GetLoad, request_deserializer=types_pb2.LoadRequest.FromString,
+                         response_serializer=types_pb2.LoadReport.SerializeToString),
+    }
+    service = decode_pb2.DESCRIPTOR.services_by_name["Decode"]
+    missing = {m.name for m in service.methods} - set(handlers)
+    if missing:  # a method added to the proto must be added here too
+        raise RuntimeError(f"Decode methods without a handler: {sorted(missing)}")
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))

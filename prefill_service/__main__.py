@@ -14,6 +14,7 @@ from common.shutdown import GracefulShutdown
 from common.worker_args import add_worker_args, build_engine, setup_process
 from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
+from prefill_service.shared_pools import SharedPools
 from prefill_service.state_reader import StateReader
 from prefill_service.server import PrefillServicer
 
@@ -28,11 +29,14 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     server, health = make_server([*server_security.interceptors(), shutdown.interceptor()])
     address = bind(server, args.host, args.port, server_security.credentials())
     llm, layout, fingerprint = build_engine(args, prefill=True)
+    # before the engine thread starts: the pools move into memory decode workers can open
+    shared = SharedPools(llm) if args.handoff_transport != "stream" else None
     engine = PrefillEngine(llm, layout, fingerprint)
     engine.start()
     # the token goes with every handoff: decode workers take handoffs from cluster members only
     reader = StateReader(*engine.pools, chunk_bytes=args.handoff_chunk_bytes)
-    sender = HandoffSender(reader, security=security.internal_channel())
+    sender = HandoffSender(reader, security=security.internal_channel(),
+                           transport=args.handoff_transport, shared=shared)
     servicer = PrefillServicer(engine, sender, address, llm.model.config.vocab_size,
                                llm.eos_token_ids)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)

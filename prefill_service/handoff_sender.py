@@ -13,6 +13,7 @@ event loop; the loop only writes the encoded messages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,11 +21,12 @@ import grpc
 
 from common import convert
 from common.channels import ChannelSecurity, make_channel
-from common.handoff.ledger import LayerLedger
-from common.handoff.parts import HeaderPart, TrailerPart
+from common.handoff.parts import HeaderPart, PoolCopyPart, TrailerPart
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc
 from prefill_service.engine import StateReady
-from prefill_service.state_reader import PromptShape, StateReader
+from prefill_service.shared_pools import SharedPools
+from prefill_service.state_reader import (PromptShape, StateReader, fold_checksums,
+                                          new_ledgers)
 
 HANDOFF_METHOD = "/flashsplit.v1.Decode/Handoff"
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -60,6 +62,10 @@ async def send_handoff(stub: decode_pb2_grpc.DecodeStub, messages,
     return (await _reply(call, "ack")).ack
 
 
+class HandoffTransportError(Exception):
+    """``--handoff-transport device`` was asked for, and the receiver cannot do it."""
+
+
 class HandoffStream:
     """One request's handoff: :meth:`open`, then :meth:`send` for each ready part (the last
     one has the first token), then :meth:`finish`. Cancelling the task that runs it (or
@@ -72,39 +78,67 @@ class HandoffStream:
         self._reader = reader
         self._executor = executor
         self._prompt = PromptShape(header.prompt_len, header.layout.page_size)
-        self._ledgers = {(name, layer): LayerLedger(spec.layer_nbytes)
-                         for name, spec in header.manifest.items()
-                         for layer in range(spec.num_layers)}
+        self._ledgers = new_ledgers(header.manifest)
         self._pages_sent = 0
+        self.pool_copies = False  # the receiver opened our pools (set by open)
         self.bytes_sent = 0
         self.send_s = 0.0  # time spent sending after the prompt finished (not hidden)
 
-    async def open(self) -> None:
-        """Write the header and wait for ``accepted``; raises AioRpcError on a refusal."""
+    async def open(self, require_pool_copies: bool = False) -> None:
+        """Write the header and wait for ``accepted``; raises AioRpcError on a refusal, and
+        HandoffTransportError when ``require_pool_copies`` but the receiver takes bytes."""
         await self._call.write(convert.handoff_part_to_pb(self.header).SerializeToString())
-        await _reply(self._call, "accepted")
+        reply = await _reply(self._call, "accepted")
+        self.pool_copies = reply.accepted.pool_copies
+        if require_pool_copies and not self.pool_copies:
+            self._call.cancel()
+            raise HandoffTransportError(
+                "the decode worker cannot open this worker's pools (another host, the GPU not "
+                "visible to it, or it runs --handoff-transport stream): use "
+                "--handoff-transport auto or stream")
 
     async def send(self, ready: StateReady) -> None:
-        """Stream the part of the state ``ready`` says is final and not yet sent."""
+        """Stream the part of the state ``ready`` says is final and not yet sent (as pool
+        copies when the receiver opened the pools)."""
         loop = asyncio.get_running_loop()
+        if self.pool_copies and not ready.final:
+            # a device copy of the whole prompt takes well under a millisecond: one at the end
+            # costs less than a round of thread hand-offs per chunk
+            return
         start, self._pages_sent = self._pages_sent, max(self._pages_sent, ready.num_pages)
-        messages = await loop.run_in_executor(
-            self._executor, self._reader.pages, ready, start, self._prompt, self._ledgers)
-        if ready.final:
-            messages += await loop.run_in_executor(
-                self._executor, self._reader.states, ready, self._ledgers)
+        if self.pool_copies:
+            messages = await loop.run_in_executor(self._executor, self._copies, ready, start)
+        else:
+            messages = await loop.run_in_executor(
+                self._executor, self._reader.pages, ready, start, self._prompt, self._ledgers)
+            if ready.final:
+                messages += await loop.run_in_executor(
+                    self._executor, self._reader.states, ready, self._ledgers)
         for message in messages:
             self.bytes_sent += len(message)
             await self._call.write(message)
 
+    def _copies(self, ready: StateReady, start: int) -> list[bytes]:
+        """PoolCopy parts for what ``ready`` finished, once the step that wrote it is done on
+        the device (the receiver reads our memory directly)."""
+        if ready.ready is not None:
+            ready.ready.synchronize()
+        parts = []
+        if ready.num_pages > start:
+            pages = tuple(ready.page_ids[start:ready.num_pages])
+            for name in ("kv", "dflash_context"):
+                if name in self.header.manifest:
+                    parts.append(PoolCopyPart(name, pages, start))
+        if ready.final:
+            parts += [PoolCopyPart("conv_state", (ready.slot,)),
+                      PoolCopyPart("ssm_state", (ready.slot,))]
+        return [convert.handoff_part_to_pb(p).SerializeToString() for p in parts]
+
     async def finish(self, first_token: int) -> decode_pb2.HandoffAck:
         """Write the trailer, close, and wait for decode's ``ack`` (the request is admitted)."""
-        checksums = {}
-        for name, spec in self.header.manifest.items():
-            crc = 0
-            for layer in range(spec.num_layers):
-                crc = self._ledgers[(name, layer)].fold(crc, f"{name} layer {layer}")
-            checksums[name] = crc
+        # every field went as pool copies, or as bytes with a checksum
+        checksums = {} if self.pool_copies else fold_checksums(self.header.manifest,
+                                                               self._ledgers)
         trailer = TrailerPart(checksums=checksums, first_token=first_token)
         await self._call.write(convert.handoff_part_to_pb(trailer).SerializeToString())
         await self._call.done_writing()
@@ -127,11 +161,16 @@ class HandoffStream:
 
 class HandoffSender:
     """One cached channel per decode address; every call has a deadline and ``security``'s
-    token (and TLS). Messages are written pre-encoded (``common/handoff/wire.py``)."""
+    token (and TLS). Messages are written pre-encoded (``common/handoff/chunk_codec.py``)."""
 
     def __init__(self, reader: StateReader, *, timeout_s: float = 120.0,
-                 security: ChannelSecurity = ChannelSecurity()) -> None:
+                 security: ChannelSecurity = ChannelSecurity(), transport: str = "stream",
+                 shared: SharedPools | None = None) -> None:
+        if transport != "stream" and shared is None:
+            raise ValueError(f"--handoff-transport {transport} needs the pools shared")
         self.reader = reader
+        self.transport = transport
+        self.shared = shared
         self.security = security
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -145,6 +184,8 @@ class HandoffSender:
             self._channels[address] = channel
         handoff = channel.stream_stream(HANDOFF_METHOD, request_serializer=None,
                                         response_deserializer=decode_pb2.HandoffReply.FromString)
+        if self.shared is not None:  # offer our pools: a receiver on this host copies them
+            header = dataclasses.replace(header, source_pools=self.shared.handles_for(address))
         return HandoffStream(handoff(timeout=self.timeout_s), header, self.reader,
                              self._executor)
 
@@ -153,3 +194,5 @@ class HandoffSender:
             await channel.close()
         self._channels.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.shared is not None:
+            self.shared.close()

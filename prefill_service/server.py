@@ -22,7 +22,7 @@ from common.handoff.layout import dtype_name
 from common.handoff.manifest import REQUIRED_FIELDS, FieldSpec
 from common.handoff.parts import HeaderPart
 from prefill_service.engine import PrefillAborted, PrefillEngine, PrefillJob
-from prefill_service.handoff_sender import HandoffSender
+from prefill_service.handoff_sender import HandoffSender, HandoffTransportError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.address = address
         self.vocab_size = vocab_size
         self._tasks: dict[int, asyncio.Task] = {}
-        self.counters = {"handoffs_sent": 0, "handoffs_failed": 0, "handoff_bytes": 0}
+        self.counters = {"handoffs_sent": 0, "handoffs_failed": 0, "handoff_bytes": 0,
+                         "handoffs_as_pool_copies": 0}
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         start = time.perf_counter()
@@ -57,7 +58,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         submitted = pump = None
         try:
             try:
-                await handoff.open()
+                await handoff.open(require_pool_copies=self.sender.transport == "device")
+            except HandoffTransportError as exc:
+                self.counters["handoffs_failed"] += 1
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"handoff to {decode_address}: {exc}")
             except grpc.aio.AioRpcError as exc:
                 # decode refused before anything was computed: pass its own status through
                 self.counters["handoffs_failed"] += 1
@@ -96,6 +101,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             except grpc.aio.AioRpcError as exc:
                 await self._handoff_failed(exc, decode_address, context)
             self.counters["handoffs_sent"] += 1
+            self.counters["handoffs_as_pool_copies"] += int(handoff.pool_copies)
             self.counters["handoff_bytes"] += handoff.bytes_sent
             return prefill_pb2.PrefillResponse(
                 handoff_id=job.handoff_id, first_token=first_token,

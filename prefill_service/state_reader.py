@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from common.handoff.ledger import LayerLedger
-from common.handoff.wire import encode_chunk
+from common.handoff.manifest import FieldSpec
+from common.handoff.chunk_codec import encode_chunk
 from prefill_service.engine import StateReady
 
 
@@ -66,7 +67,7 @@ class StateReader:
             for layer in range(host.shape[0]):
                 for half in (0, 1):
                     offset = (half * prompt.num_pages + start) * page_bytes
-                    out += self._encode(name, layer, offset, memoryview(flat[layer, half]),
+                    out += self.encode(name, layer, offset, memoryview(flat[layer, half]),
                                         ledgers)
         return out
 
@@ -78,11 +79,13 @@ class StateReader:
             host = self._to_host(lambda: pool[:, ready.slot].contiguous(), ready)
             flat = host.view(host.shape[0], -1).view(torch.uint8).numpy()
             for layer in range(host.shape[0]):
-                out += self._encode(name, layer, 0, memoryview(flat[layer]), ledgers)
+                out += self.encode(name, layer, 0, memoryview(flat[layer]), ledgers)
         return out
 
-    def _encode(self, name: str, layer: int, offset: int, data: memoryview,
+    def encode(self, name: str, layer: int, offset: int, data: memoryview,
                 ledgers: dict[tuple[str, int], LayerLedger]) -> list[bytes]:
+        """``data`` (bytes ``offset..`` of one layer of ``name``) as encoded chunks, each
+        recorded in its layer's checksum ledger."""
         ledger = ledgers[(name, layer)]
         out = []
         for start in range(0, len(data), self.chunk_bytes):
@@ -112,3 +115,21 @@ def _gather(pool: torch.Tensor, page_ids: list[int], tail: int) -> torch.Tensor:
     if tail:
         out[:, :, -1, out.shape[3] - tail:] = 0
     return out
+
+
+def new_ledgers(manifest: dict[str, FieldSpec]) -> dict[tuple[str, int], LayerLedger]:
+    """An empty checksum ledger for every layer of every field of ``manifest``."""
+    return {(name, layer): LayerLedger(spec.layer_nbytes)
+            for name, spec in manifest.items() for layer in range(spec.num_layers)}
+
+
+def fold_checksums(manifest: dict[str, FieldSpec],
+                   ledgers: dict[tuple[str, int], LayerLedger]) -> dict[str, int]:
+    """The trailer's CRC of each field, from what was encoded (raises if bytes are missing)."""
+    checksums = {}
+    for name, spec in manifest.items():
+        crc = 0
+        for layer in range(spec.num_layers):
+            crc = ledgers[(name, layer)].fold(crc, f"{name} layer {layer}")
+        checksums[name] = crc
+    return checksums

@@ -51,7 +51,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 # Worker flags that `flashsplit up` passes through unchanged (--device is spread over workers).
 _WORKER_FLAGS = ("--dtype", "--page-size", "--num-pages", "--num-slots", "--max-prefill-tokens",
                  "--max-running-requests", "--draft", "--block-size", "--kernels",
-                 "--cuda-graph-max-bs")
+                 "--cuda-graph-max-bs", "--handoff-transport")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,7 +243,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     import threading
 
     from router.cluster import Cluster, ClusterError
-    from router.supervisor import Supervisor
+    from router.supervisor import Supervisor, SupervisorConfig
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -260,7 +260,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"OpenAI-compatible HTTP API on {cluster.http_url}/v1", flush=True)
         for w in cluster.workers:
             print(f"{w.name} on {w.address} (pid {w.pid})", flush=True)
-        return asyncio.run(Supervisor(cluster).run(stop))
+        # a worker drains for its grace before it exits: not a hang
+        watch = SupervisorConfig(not_serving_after_s=max(SupervisorConfig.not_serving_after_s,
+                                                         args.grace + 5.0))
+        return asyncio.run(Supervisor(cluster, watch).run(stop))
     finally:
         cluster.stop()
 

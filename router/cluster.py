@@ -53,6 +53,9 @@ class ClusterConfig:
     num_prefill: int = 1
     num_decode: int = 1
     worker_args: tuple[str, ...] = ()
+    # after worker_args, to one kind only (a later flag wins): e.g. a transport per side
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     # the router's OpenAI-compatible HTTP API: None = not served, 0 = any free port
@@ -211,7 +214,9 @@ class Cluster:
             for i, kind in enumerate(kinds):
                 module = c.prefill_module if kind == "prefill" else c.decode_module
                 args = ["-m", module, "--host", c.host, "--port", "0", "--model", c.model,
-                        *c.worker_args, *self._grace_args()]
+                        *c.worker_args,
+                        *(c.prefill_args if kind == "prefill" else c.decode_args),
+                        *self._grace_args()]
                 if c.devices:
                     args += ["--device", c.devices[i % len(c.devices)]]
                 self.workers.append(self._spawn(kind, f"{kind}-{counts[kind]}", args))

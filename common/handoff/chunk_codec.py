@@ -144,8 +144,8 @@ def decode_chunk(message: bytes | memoryview) -> RawChunk | None:
                 value, pos = _read_varint(buf, pos, end)
             elif number in (_FIELD, _LAYER, _OFFSET, _DATA):
                 return None  # a known field with another wire type
-            else:
-                pos = _skip(buf, wire_type, pos, end)  # unknown fields are ignored, as protobuf does
+            else:  # an unknown field: skipped, as protobuf skips it
+                pos = _skip(buf, wire_type, pos, end)
                 continue
             if number in seen:
                 return None

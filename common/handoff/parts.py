@@ -27,6 +27,8 @@ class HeaderPart:
     manifest: dict[str, FieldSpec] = field(default_factory=dict)
     speculative: bool | None = None
     request_id: str = ""
+    # the sender's pools as share handles (msgpack), offered for the device transport
+    source_pools: bytes = b""
 
     @property
     def prompt_len(self) -> int:
@@ -48,6 +50,16 @@ class ChunkPart:
 
 
 @dataclass(frozen=True)
+class PoolCopyPart:
+    """Payload pages ``[dst_start, dst_start + len(src_index))`` of every layer of ``field`` are
+    the sender's pool pages ``src_index`` (for a state field: ``src_index`` is its slot)."""
+
+    field: str
+    src_index: tuple[int, ...]
+    dst_start: int = 0
+
+
+@dataclass(frozen=True)
 class TrailerPart:
     """CRC-32 (``zlib.crc32``) of each field's bytes, concatenated in (layer, offset) order, and
     the first token prefill sampled (None only in a malformed trailer)."""
@@ -56,4 +68,4 @@ class TrailerPart:
     first_token: int | None = None
 
 
-HandoffPart = Union[HeaderPart, ChunkPart, TrailerPart]
+HandoffPart = Union[HeaderPart, ChunkPart, PoolCopyPart, TrailerPart]

@@ -37,6 +37,9 @@ class Reservation(Protocol):
         copies)."""
         ...
 
+    # A reservation that accepted the ``device`` transport also has
+    # ``copy_from(part: PoolCopyPart)``: run that copy out of the sender's pools.
+
     def release(self) -> None:
         """Give back everything held; the handoff failed or was aborted."""
         ...

@@ -17,7 +17,8 @@ from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.ledger import LayerLedger
 from common.handoff.manifest import KNOWN_FIELDS, validate_manifest
-from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, TrailerPart
+from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, PoolCopyPart, TrailerPart
+from common.handoff.pool_copies import PoolCopyLedger
 from common.handoff.payload import HandoffPayload
 from common.handoff.reservation import InMemoryReservation, Reservation
 
@@ -91,6 +92,7 @@ class HandoffAssembler:
         self._header: HeaderPart | None = None
         self._reservation: Reservation | None = None
         self._ledgers: dict[tuple[str, int], LayerLedger] = {}
+        self._copies: PoolCopyLedger | None = None
         self.bytes_received = 0
         self.first_token: int | None = None  # from the verified trailer
 
@@ -111,6 +113,8 @@ class HandoffAssembler:
             self.on_chunk(part)
         elif isinstance(part, TrailerPart):
             self.on_trailer(part)
+        elif isinstance(part, PoolCopyPart):
+            self.on_pool_copy(part)
         else:
             self._fail(HandoffError("INVALID_ARGUMENT", f"not a handoff part: {type(part)!r}"))
 
@@ -146,15 +150,35 @@ class HandoffAssembler:
         except BaseException as err:
             self._fail(err)
 
-    def start(self, header: HeaderPart, reservation: Reservation) -> None:
-        """Take the room reserved for a checked header; chunks may follow. If the handoff was
-        closed meanwhile, the reservation is released at once (and ABORTED raised)."""
+    def start(self, header: HeaderPart, reservation: Reservation, *,
+              pool_copies: bool = False) -> None:
+        """Take the room reserved for a checked header; chunks may follow (and, with
+        ``pool_copies``, the reservation opened the sender's pools: ``PoolCopyPart``s too). If
+        the handoff was closed meanwhile, the reservation is released at once (and ABORTED
+        raised)."""
         if self._state != "header":
             reservation.release()
             self._expect("header", "a reservation")
         self._reservation = reservation
         self._header = header
+        self._copies = (PoolCopyLedger(header.layout.num_pages(header.prompt_len))
+                        if pool_copies else None)
         self._state = "chunks"
+
+    def on_pool_copy(self, part: PoolCopyPart) -> None:
+        """Check a ``device`` transport copy and run it (``reservation.copy_from``)."""
+        self._expect("chunks", "a pool copy")
+        try:
+            if self._copies is None:
+                raise HandoffError("INVALID_ARGUMENT", "a pool copy, but this handoff was not "
+                                   "accepted for pool copies")
+            if any(key[0] == part.field for key in self._ledgers):
+                raise HandoffError("INVALID_ARGUMENT", f"field {part.field!r} arrives as bytes "
+                                   "and as pool copies")
+            self._copies.add(part, set(self._header.manifest))
+            self._reservation.copy_from(part)
+        except BaseException as err:
+            self._fail(err)
 
     def on_chunk(self, chunk: ChunkPart) -> None:
         """Check the chunk's address and write its bytes into the reservation."""
@@ -172,11 +196,17 @@ class HandoffAssembler:
             manifest = self._header.manifest
             if trailer.first_token is None:
                 raise HandoffError("INVALID_ARGUMENT", "trailer lacks the first token")
-            if set(trailer.checksums) != set(manifest):
+            copied = self._copies.fields if self._copies is not None else set()
+            streamed = set(manifest) - copied
+            if set(trailer.checksums) != streamed:
                 raise HandoffError("INVALID_ARGUMENT", f"trailer has checksums for "
-                                   f"{sorted(trailer.checksums)}, manifest declares "
-                                   f"{sorted(manifest)}")
+                                   f"{sorted(trailer.checksums)}, the fields sent as bytes are "
+                                   f"{sorted(streamed)}")
+            for name in copied:
+                self._copies.check_complete(name)
             for name, spec in manifest.items():
+                if name in copied:
+                    continue
                 crc = 0
                 for layer in range(spec.num_layers):
                     ledger = self._ledgers.get((name, layer), LayerLedger(spec.layer_nbytes))
@@ -243,6 +273,8 @@ class HandoffAssembler:
     def _write(self, chunk: ChunkPart) -> None:
         spec = self._header.manifest.get(chunk.field)
         where = f"chunk of field {chunk.field!r} layer {chunk.layer}"
+        if self._copies is not None and chunk.field in self._copies.fields:
+            raise HandoffError("INVALID_ARGUMENT", f"{where}: the field arrives as pool copies")
         if spec is None:
             raise HandoffError("INVALID_ARGUMENT", f"{where}: field not declared in the manifest")
         if not 0 <= chunk.layer < spec.num_layers:

@@ -17,7 +17,7 @@ import pytest
 
 from common.handoff.payload import new_handoff_id
 from common.model.load import load_model
-from common.pb.flashsplit.v1 import generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from common.pb.flashsplit.v1 import prefill_pb2, prefill_pb2_grpc
 from common.sampling import SamplingParams
 from router.cluster import Cluster, ClusterConfig
 from router.remote import generate, request_to_pb

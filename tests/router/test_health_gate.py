@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from common.grpc_util import SERVER_OPTIONS, set_serving
 from common.pb.flashsplit.v1 import decode_pb2_grpc, generation_pb2_grpc

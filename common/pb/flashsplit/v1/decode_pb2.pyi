@@ -40,7 +40,7 @@ class LayoutDescriptor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., full_attention_layers: _Optional[_Iterable[int]] = ..., gdn_layers: _Optional[_Iterable[int]] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., conv_dim: _Optional[int] = ..., conv_window: _Optional[int] = ..., num_key_heads: _Optional[int] = ..., num_value_heads: _Optional[int] = ..., key_head_dim: _Optional[int] = ..., value_head_dim: _Optional[int] = ..., state_layout: _Optional[str] = ..., ssm_dtype: _Optional[str] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("handoff_id", "model_fingerprint", "layout", "prompt_len", "prompt_token_ids", "sampling", "manifest", "request_id")
+    __slots__ = ("handoff_id", "model_fingerprint", "layout", "prompt_len", "prompt_token_ids", "sampling", "manifest", "request_id", "source_pools")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class HandoffHeader(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_POOLS_FIELD_NUMBER: _ClassVar[int]
     handoff_id: int
     model_fingerprint: str
     layout: LayoutDescriptor
@@ -57,7 +58,18 @@ class HandoffHeader(_message.Message):
     sampling: _types_pb2.SamplingParams
     manifest: bytes
     request_id: str
-    def __init__(self, handoff_id: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[LayoutDescriptor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., manifest: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+    source_pools: bytes
+    def __init__(self, handoff_id: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[LayoutDescriptor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., manifest: _Optional[bytes] = ..., request_id: _Optional[str] = ..., source_pools: _Optional[bytes] = ...) -> None: ...
+
+class PoolCopy(_message.Message):
+    __slots__ = ("field", "src_index", "dst_start")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    SRC_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DST_START_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    src_index: _containers.RepeatedScalarFieldContainer[int]
+    dst_start: int
+    def __init__(self, field: _Optional[str] = ..., src_index: _Optional[_Iterable[int]] = ..., dst_start: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("field", "layer", "offset", "data")
@@ -87,14 +99,16 @@ class HandoffTrailer(_message.Message):
     def __init__(self, crc32: _Optional[_Mapping[str, int]] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class HandoffMessage(_message.Message):
-    __slots__ = ("header", "chunk", "trailer")
+    __slots__ = ("header", "chunk", "trailer", "pool_copy")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    POOL_COPY_FIELD_NUMBER: _ClassVar[int]
     header: HandoffHeader
     chunk: TensorChunk
     trailer: HandoffTrailer
-    def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., trailer: _Optional[_Union[HandoffTrailer, _Mapping]] = ...) -> None: ...
+    pool_copy: PoolCopy
+    def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., trailer: _Optional[_Union[HandoffTrailer, _Mapping]] = ..., pool_copy: _Optional[_Union[PoolCopy, _Mapping]] = ...) -> None: ...
 
 class HandoffAck(_message.Message):
     __slots__ = ("handoff_id", "bytes_received")
@@ -105,10 +119,12 @@ class HandoffAck(_message.Message):
     def __init__(self, handoff_id: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class HandoffAccepted(_message.Message):
-    __slots__ = ("handoff_id",)
+    __slots__ = ("handoff_id", "pool_copies")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_COPIES_FIELD_NUMBER: _ClassVar[int]
     handoff_id: int
-    def __init__(self, handoff_id: _Optional[int] = ...) -> None: ...
+    pool_copies: bool
+    def __init__(self, handoff_id: _Optional[int] = ..., pool_copies: _Optional[bool] = ...) -> None: ...
 
 class HandoffReply(_message.Message):
     __slots__ = ("accepted", "ack")

@@ -1,0 +1,71 @@
+"""Both handoff transports through real processes: the same greedy tokens, pools full after.
+
+On the CPU the ``device`` transport is shared memory (the decode worker copies out of the
+prefill worker's pools); ``auto`` falls back to the byte stream where the receiver will not
+open them, and ``device`` then fails with a clear status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from common.model.load import load_model
+from router.cluster import Cluster, ClusterConfig
+from tests.router.test_end_to_end import (CHUNKED, generate_all, local_greedy, wait_all_free,
+                                          worker_load)
+
+PROMPTS = [[5, 17, 200], [(i * 37 + 11) % 256 for i in range(23)], list(range(1, 41))]
+
+
+def run(prefill: str, decode: str, draft: bool = False):
+    extra = ("--draft", "tiny") if draft else ()
+    config = ClusterConfig(model="tiny", worker_args=CHUNKED + extra,
+                           prefill_args=("--handoff-transport", prefill),
+                           decode_args=("--handoff-transport", decode))
+    with Cluster(config) as cluster:
+        outs = asyncio.run(generate_all(cluster.router_address, PROMPTS))
+        reports = asyncio.run(wait_all_free(cluster))
+        (prefill_worker,) = [w for w in cluster.workers if w.kind == "prefill"]
+        load = asyncio.run(worker_load(prefill_worker.address, "prefill",
+                                       cluster.internal_token))
+    assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
+    return outs, load.counters
+
+
+@pytest.mark.parametrize("prefill,decode,copied", [
+    ("auto", "auto", True),      # same host: pool copies
+    ("device", "device", True),
+    ("auto", "stream", False),   # the receiver takes bytes only: auto falls back
+    ("stream", "auto", False),   # the sender offers no pools
+])
+def test_transports_give_the_same_tokens(prefill, decode, copied):
+    outs, counters = run(prefill, decode)
+    assert [o.token_ids for o in outs] == local_greedy(load_model("tiny"), PROMPTS)
+    assert counters["handoffs_sent"] == len(PROMPTS)
+    assert counters["handoffs_as_pool_copies"] == (len(PROMPTS) if copied else 0)
+    assert (counters["handoff_bytes"] > 10_000) != copied  # copies move no payload bytes
+
+
+def test_device_transport_carries_the_draft_context():
+    """DFLASH is lossless: with the draft context copied over, greedy output is plain greedy,
+    and every token after the first comes from a speculative step."""
+    outs, counters = run("device", "auto", draft=True)
+    assert [o.token_ids for o in outs] == local_greedy(load_model("tiny"), PROMPTS)
+    assert all(o.accept_lengths and sum(o.accept_lengths) >= len(o.token_ids) - 1
+               for o in outs)
+    assert counters["handoffs_as_pool_copies"] == len(PROMPTS)
+
+
+def test_device_transport_without_a_willing_receiver_fails_clearly():
+    config = ClusterConfig(model="tiny", worker_args=CHUNKED,
+                           prefill_args=("--handoff-transport", "device"),
+                           decode_args=("--handoff-transport", "stream"))
+    with Cluster(config) as cluster:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(generate_all(cluster.router_address, PROMPTS[:1]))
+        assert "cannot open this worker's pools" in err.value.details()
+        reports = asyncio.run(wait_all_free(cluster))
+    assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
