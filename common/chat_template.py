@@ -29,6 +29,8 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
+from common.tokenizer import token_content
+
 __all__ = ["BUILTIN_TEMPLATE", "ChatTemplate", "ChatTemplateError", "load_chat_template"]
 
 # The built-in model's template: a role-prefixed transcript. Its tokenizer has no chat tokens,
@@ -174,15 +176,6 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
 
 
-def _token_content(value: object) -> str | None:
-    # tokenizer_config.json stores special tokens as strings or as AddedToken dicts.
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -224,7 +217,7 @@ def load_chat_template(model_path_or_name: str) -> ChatTemplate | None:
     legacy = _read_json(directory / "special_tokens_map.json")
     special: dict[str, str] = {}
     for key in _SPECIAL_TOKEN_KEYS:
-        content = _token_content(tok_cfg.get(key)) or _token_content(legacy.get(key))
+        content = token_content(tok_cfg.get(key)) or token_content(legacy.get(key))
         if content is not None:
             special[key] = content
     return ChatTemplate(source, special)

@@ -132,8 +132,9 @@ def _as_id_list(value: object) -> list[int]:
     return []
 
 
-def _token_content(value: object) -> str | None:
-    # tokenizer_config.json stores special tokens either as a string or as an AddedToken dict.
+def token_content(value: object) -> str | None:
+    """A special token's text: tokenizer_config.json stores it as a string or an AddedToken
+    dict."""
     if isinstance(value, str):
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
@@ -170,7 +171,7 @@ class HFTokenizer(Tokenizer):
         text_cfg = text_cfg if isinstance(text_cfg, dict) else {}
 
         eos: list[int] = []
-        name = _token_content(tok_cfg.get("eos_token"))
+        name = token_content(tok_cfg.get("eos_token"))
         if name is not None and self._tok.token_to_id(name) is not None:
             eos.append(self._tok.token_to_id(name))
         for cfg in (gen_cfg, model_cfg, text_cfg):
@@ -178,7 +179,7 @@ class HFTokenizer(Tokenizer):
         self._eos = tuple(dict.fromkeys(eos))
 
         bos: int | None = None
-        name = _token_content(tok_cfg.get("bos_token"))
+        name = token_content(tok_cfg.get("bos_token"))
         if name is not None:
             bos = self._tok.token_to_id(name)
         for cfg in (gen_cfg, model_cfg, text_cfg):

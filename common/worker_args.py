@@ -126,6 +126,29 @@ def dtype_from_args(args: argparse.Namespace) -> torch.dtype | None:
     return getattr(torch, args.dtype) if args.dtype else None
 
 
+def run_worker(args: argparse.Namespace, serve) -> int:
+    """A worker's process: logging, its security flags checked before the model loads (exit 2
+    on a flag or file the caller got wrong), then ``asyncio.run(serve(args, security))``, whose
+    result is the exit status (1 when a port cannot be bound)."""
+    import asyncio
+    import os
+
+    from common.security import security_from_args
+
+    setup_process(args.log_level)
+    try:
+        security = security_from_args(args, os.environ)
+        security.internal_server()  # its flag combinations are checked before the model loads
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(args, security))
+    except OSError as exc:  # e.g. the port is in use
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
 def setup_process(level: str) -> None:
     """Logging, and a short GIL switch interval: the engine thread and the asyncio loop share
     the GIL, and at the default 5 ms every token waits up to that long to reach the network."""

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import sys
 
 from common.grpc_util import serve_until_signal
-from common.security import Security, security_from_args
-from common.worker_args import add_worker_args, build_engine, setup_process
+from common.security import Security
+from common.worker_args import add_worker_args, build_engine, run_worker
 from decode_service.server import build_decode_service
 
 SERVICE_NAME = "flashsplit.v1.Decode"
@@ -37,19 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_args(parser)
     parser.add_argument("--max-handoff-bytes", type=int, default=8 << 30,
                         help="largest handoff payload accepted")
-    args = parser.parse_args(argv)
-    setup_process(args.log_level)
-    try:
-        security = security_from_args(args, os.environ)
-        security.internal_server()  # its flag combinations are checked before the model loads
-    except ValueError as exc:  # a flag or file the caller got wrong
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return asyncio.run(serve(args, security))
-    except OSError as exc:  # e.g. the port is in use
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return run_worker(parser.parse_args(argv), serve)
 
 
 if __name__ == "__main__":

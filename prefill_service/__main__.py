@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import sys
 
 from common.grpc_util import bind, make_server, serve_until_signal
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
-from common.security import Security, security_from_args
+from common.security import Security
 from common.shutdown import GracefulShutdown
-from common.worker_args import add_worker_args, build_engine, setup_process
+from common.worker_args import add_worker_args, build_engine, run_worker
 from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
 from prefill_service.shared_pools import SharedPools
@@ -57,19 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_args(parser)
     parser.add_argument("--handoff-chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                         help="largest handoff message payload (default: %(default)s)")
-    args = parser.parse_args(argv)
-    setup_process(args.log_level)
-    try:
-        security = security_from_args(args, os.environ)
-        security.internal_server()  # its flag combinations are checked before the model loads
-    except ValueError as exc:  # a flag or file the caller got wrong
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return asyncio.run(serve(args, security))
-    except OSError as exc:  # e.g. the port is in use
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return run_worker(parser.parse_args(argv), serve)
 
 
 if __name__ == "__main__":
