@@ -20,7 +20,8 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     service = build_decode_service(llm, layout, fingerprint, host=args.host, port=args.port,
                                    max_handoff_bytes=args.max_handoff_bytes,
                                    security=server_security,
-                                   transport=args.handoff_transport)
+                                   transport=args.handoff_transport,
+                                   idle_timeout_s=args.handoff_idle_timeout)
     try:
         return await serve_until_signal(
             service.server, service.health, [SERVICE_NAME],
@@ -34,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashsplit-decode", description=__doc__)
     add_worker_args(parser)
     parser.add_argument("--max-handoff-bytes", type=int, default=8 << 30,
-                        help="largest handoff payload accepted")
+                        help="largest handoff payload accepted (default: %(default)s)")
+    parser.add_argument("--handoff-idle-timeout", type=float, default=60.0,
+                        help="seconds a handoff may send nothing before its room is released "
+                             "(default: %(default)s)")
     return run_worker(parser.parse_args(argv), serve)
 
 

@@ -15,6 +15,7 @@ from common.engine.llm_engine import LLMEngine, TokenEvent
 from common.engine.loop import EngineLoop
 from common.engine.scheduler import RequestTooLarge
 from common.handoff.errors import HandoffError
+from common.handoff.manifest import REQUIRED_FIELDS
 from common.handoff.parts import HeaderPart
 from decode_service.peer_pools import SourcePools
 from decode_service.reservation import PoolReservation
@@ -51,6 +52,11 @@ class DecodeEngine(EngineLoop):
     # --- engine thread ---
     def _reserve(self, header: HeaderPart, source: SourcePools | None) -> PoolReservation:
         e = self.engine
+        extra = sorted(set(header.manifest) - set(REQUIRED_FIELDS) - {"dflash_context"})
+        if extra:
+            # nothing here consumes them yet, and their size is the header's word alone
+            raise HandoffError("INVALID_ARGUMENT", f"fields {extra} are not accepted by this "
+                               "decode worker")
         self._check_draft_context(header)
         try:
             pages = e.scheduler.pages_for_budget(header.prompt_len,

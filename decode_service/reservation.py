@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 
-from common.handoff.layout import to_dtype
 from common.handoff.errors import HandoffError
 from common.handoff.parts import HeaderPart, PoolCopyPart
 from common.handoff.reservation import host_bytes, write_bytes
@@ -81,10 +80,6 @@ class PoolReservation:
             # the pages' previous owner may still have kernels queued that write them
             self._stream.wait_event(after)
         self.copied: torch.cuda.Event | None = None  # set by commit on a GPU
-        # fields with no home in the pools (logprobs, top_k) wait in host memory
-        self.extras = {name: torch.empty(spec.shape, dtype=to_dtype(spec.dtype))
-                       for name, spec in header.manifest.items()
-                       if name not in ("kv", "conv_state", "ssm_state", "dflash_context")}
         self.owned = True  # False once admitted (the request owns the room) or released
         # NOTE: admission (engine thread) and release (a cancelled handler) can race; whoever
         # takes ownership first under this lock wins, so pages never have two owners.
@@ -113,8 +108,8 @@ class PoolReservation:
         elif field == "dflash_context":
             if self._draft_kv is not None:  # without a draft here the context is not needed
                 write_paged(self._draft_kv, layer, self.page_ids, num_pages, offset, data)
-        else:
-            write_bytes(self.extras[field][layer], offset, data)
+        else:  # the engine reserves only for the fields above
+            raise HandoffError("INVALID_ARGUMENT", f"field {field!r} has no place here")
 
     def copy_from(self, part: PoolCopyPart) -> None:
         """Run a ``device`` transport copy out of the sender's pools (``self.source``)."""
@@ -171,4 +166,3 @@ class PoolReservation:
         if self._stream is not None:
             self._stream.synchronize()  # no copy of ours may land in the next owner's pages
         self._free(self.page_ids, self.slot)
-        self.extras = {}

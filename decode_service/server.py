@@ -34,8 +34,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: DecodeEngine, streams: TokenStreams, layout: LayoutDescriptor,
                  fingerprint: str, address: str, max_handoff_bytes: int,
                  shutdown: GracefulShutdown | None = None,
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", idle_timeout_s: float = 60.0) -> None:
         self.engine = engine
+        # longer than any wait between two parts of a live handoff: a prompt queued on its
+        # prefill worker, or the longest prefill chunk
+        self.idle_timeout_s = idle_timeout_s
         # "stream" takes bytes only; "auto" and "device" open a same-host sender's pools
         self.peers = PeerPools(transport != "stream", engine.pools)
         self.shutdown = shutdown or GracefulShutdown("decode worker")
@@ -72,7 +75,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         loop = asyncio.get_running_loop()
         reservation = None
         try:
-            async for message in request_iterator:
+            async for message in _until_idle(request_iterator, self.idle_timeout_s):
                 part = _handoff_part(message)
                 if isinstance(part, HeaderPart):
                     assembler.check_header(part)
@@ -103,7 +106,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             assembler.abort()
             await self._freed()
             log.info("handoff refused: %s", exc)
-            if assembler.header is not None:
+            if assembler.header is not None and exc.code != "DEADLINE_EXCEEDED":
                 # NOTE: the sender is mid-payload; ending the call under its writes would make
                 # its side report INTERNAL instead of this status, so read the rest first.
                 async for _ in request_iterator:
@@ -204,7 +207,8 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
                          host: str = "127.0.0.1", port: int = 0,
                          max_handoff_bytes: int = 8 << 30,
                          security: ServerSecurity = ServerSecurity(),
-                         transport: str = "auto") -> DecodeService:
+                         transport: str = "auto",
+                         idle_timeout_s: float = 60.0) -> DecodeService:
     """Engine thread (started), token streams and servicer on a bound server that demands
     ``security`` (docs/security.md). Call from the event loop that will serve it: the streams
     post engine events to that loop. Raises OSError when the port cannot be bound."""
@@ -217,8 +221,24 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
     engine.start()
     add_decode_servicer(DecodeServicer(engine, streams, layout, fingerprint, address,
                                        max_handoff_bytes=max_handoff_bytes, shutdown=shutdown,
-                                       transport=transport), server)
+                                       transport=transport, idle_timeout_s=idle_timeout_s),
+                        server)
     return DecodeService(server, health, engine, address, shutdown)
+
+
+async def _until_idle(messages, timeout_s: float):
+    """``messages``, ending the handoff with DEADLINE_EXCEEDED when the sender sends nothing
+    for ``timeout_s``: a header whose payload never comes must not hold its room for ever."""
+    iterator = messages.__aiter__()
+    while True:
+        try:
+            message = await asyncio.wait_for(iterator.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise HandoffError("DEADLINE_EXCEEDED", f"the sender sent nothing for {timeout_s} s; "
+                               "the room held for the handoff is released") from None
+        yield message
 
 
 def _handoff_part(message: bytes):

@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between load polls of each worker")
     p.add_argument("--max-attempts", type=int, default=DispatchConfig.max_attempts,
                    help="worker pairs tried per request before giving up")
+    p.add_argument("--max-queue-wait", type=float, default=DispatchConfig.max_queue_wait_s,
+                   help="seconds a request waits for room while every decode worker is full, "
+                        "within its deadline (default: %(default)s)")
+    p.add_argument("--max-queued", type=int, default=DispatchConfig.max_queued,
+                   help="requests that may wait for room at once; beyond it they are refused "
+                        "with RESOURCE_EXHAUSTED (default: %(default)s)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="on SIGTERM, seconds running requests get to finish before they end "
                         "with finish reason ABORT")
@@ -73,7 +79,9 @@ def config_from_args(args: argparse.Namespace,
         host=args.host, port=args.port,
         registry=RegistryConfig(poll_interval_s=args.poll_interval,
                                 backoff_max_s=args.worker_backoff_max),
-        clients=ClientConfig(), dispatch=DispatchConfig(max_attempts=args.max_attempts),
+        clients=ClientConfig(), dispatch=DispatchConfig(
+            max_attempts=args.max_attempts, max_queue_wait_s=args.max_queue_wait,
+            max_queued=args.max_queued),
         grace_s=args.grace, internal=security.internal_channel(),
         public=security.public_server(api_key_from(args, environ),
                                       client_cert=not args.public_no_client_cert),

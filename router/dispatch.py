@@ -49,9 +49,17 @@ class DispatchConfig:
     # How long the final message waits for the prefill answer (its timings) once decode is done.
     prefill_result_grace_s: float = 5.0
 
+    # When every decode worker is full, a request waits for room (polling every
+    # queue_poll_s) up to max_queue_wait_s, within its deadline; at most max_queued wait at once.
+    max_queue_wait_s: float = 30.0
+    max_queued: int = 1024
+    queue_poll_s: float = 0.1
+
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if self.max_queue_wait_s < 0 or self.max_queued < 0 or self.queue_poll_s <= 0:
+            raise ValueError("max_queue_wait_s and max_queued must be >= 0, queue_poll_s > 0")
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,10 @@ class DispatchError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class EveryDecodeFull(Exception):
+    """A round of attempts found no decode worker with room: the request may wait for it."""
 
 
 class AttemptFailed(Exception):
@@ -142,6 +154,7 @@ class Dispatcher:
         self.config = config
         self.clock = clock
         self._turn = 0
+        self._queued = 0  # requests waiting for room on a decode worker
         self._background: set[asyncio.Task] = set()
 
     def _remaining(self, job: Job) -> float | None:
@@ -153,12 +166,51 @@ class Dispatcher:
     async def run(self, job: Job) -> AsyncIterator[Chunk]:
         """Yield the request's chunks; raise DispatchError when it cannot be completed.
 
-        Callers must close the generator (``contextlib.aclosing``) so that an abandoned request
-        reaches its attempt's cleanup even when it is dropped while suspended at a yield.
+        While every decode worker is full, the request waits for room (``DispatchConfig``'s
+        queue settings) instead of failing. Callers must close the generator
+        (``contextlib.aclosing``) so that an abandoned request reaches its attempt's cleanup
+        even when it is dropped while suspended at a yield.
         """
+        queued_at = None
+        try:
+            while True:
+                try:
+                    async with contextlib.aclosing(self._attempts(job)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    return
+                except EveryDecodeFull as full:
+                    if queued_at is None:
+                        if self._queued >= self.config.max_queued:
+                            raise DispatchError(Code.RESOURCE_EXHAUSTED, f"every decode worker "
+                                                f"is full and {self._queued} requests already "
+                                                f"wait for room: {full}") from None
+                        queued_at = self.clock()
+                        self._queued += 1
+                    await self._wait_for_room(job, queued_at, str(full))
+        finally:
+            if queued_at is not None:
+                self._queued -= 1
+
+    async def _wait_for_room(self, job: Job, queued_at: float, why: str) -> None:
+        waited = self.clock() - queued_at
+        if waited >= self.config.max_queue_wait_s:
+            raise DispatchError(Code.RESOURCE_EXHAUSTED, f"every decode worker is full; waited "
+                                f"{waited:.1f} s for room: {why}")
+        remaining = self._remaining(job)
+        if remaining is not None and remaining <= 0:
+            raise DispatchError(Code.DEADLINE_EXCEEDED, "deadline exceeded while waiting for "
+                                f"room on a decode worker: {why}")
+        await asyncio.sleep(self.config.queue_poll_s if remaining is None
+                            else min(self.config.queue_poll_s, remaining))
+
+    async def _attempts(self, job: Job) -> AsyncIterator[Chunk]:
+        """One round over worker pairs (up to ``max_attempts``); EveryDecodeFull when each
+        refusal was for lack of room."""
         failures: list[str] = []
         excluded: set[str] = set()
         all_full = True  # every attempt so far was refused for lack of room
+        any_full = False
         for attempt in range(1, self.config.max_attempts + 1):
             if self._expired(job):
                 raise DispatchError(Code.DEADLINE_EXCEEDED, "deadline exceeded before the first "
@@ -182,11 +234,14 @@ class Dispatcher:
                             prefill, decode, failed.message)
                 failures.append(failed.message)
                 all_full = all_full and bool(failed.full)
+                any_full = any_full or bool(failed.full)
                 excluded.update(failed.exclude)
                 for address in failed.blame:
                     self.registry.mark_failed(address, failed.message)
                 for address in failed.full:
                     self.registry.note_full(address)
+        if any_full and all_full:  # the last entry may be "no pair left": the full excluded
+            raise EveryDecodeFull("; ".join(failures))
         # workers that answered "no room" are up: say so, rather than that nothing is reachable
         code = Code.RESOURCE_EXHAUSTED if all_full and len(failures) > 1 else Code.UNAVAILABLE
         raise DispatchError(code, "no worker pair could serve the request: "

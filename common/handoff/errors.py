@@ -15,6 +15,7 @@ HANDOFF_ERROR_CODES = {
     "NOT_FOUND": "the handoff id is unknown to the receiver",
     "ALREADY_EXISTS": "a request with this handoff id is already decoding on the receiver",
     "ABORTED": "the request was aborted before or while its handoff arrived",
+    "DEADLINE_EXCEEDED": "the sender sent nothing for the receiver's idle timeout",
 }
 
 

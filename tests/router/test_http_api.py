@@ -38,7 +38,7 @@ async def serving(api_key=None, dead_decode=False, max_attempts=3):
         decode=("127.0.0.1:1",) if dead_decode else (decode.address,),
         registry=RegistryConfig(poll_interval_s=0.05, poll_timeout_s=0.5,
                                 backoff_initial_s=30.0, backoff_max_s=60.0),
-        dispatch=DispatchConfig(max_attempts=max_attempts), public=public,
+        dispatch=DispatchConfig(max_attempts=max_attempts, max_queue_wait_s=0.3), public=public,
         http=HttpConfig()))
     await router.start()
     base = f"http://{router.http_address}"

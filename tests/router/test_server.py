@@ -31,7 +31,9 @@ async def cluster(num_prefill=1, num_decode=1, max_attempts=3, extra_prefill=(),
         # A long backoff keeps a worker marked down for the whole test.
         registry=RegistryConfig(poll_interval_s=0.05, poll_timeout_s=0.5,
                                 backoff_initial_s=30.0, backoff_max_s=60.0),
-        dispatch=DispatchConfig(max_attempts=max_attempts))
+        # full decode workers are waited for briefly: long enough to see room come back
+        dispatch=DispatchConfig(max_attempts=max_attempts, max_queue_wait_s=1.0,
+                                queue_poll_s=0.05))
     router = Router(config)
     address = await router.start()
     channel = grpc.aio.insecure_channel(address)
@@ -178,7 +180,23 @@ def test_every_decode_worker_full_is_resource_exhausted():
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await collect(stub, request("Hi", max_new_tokens=5))
             assert err.value.code() == SC.RESOURCE_EXHAUSTED  # workers are up, just full
+            assert "every decode worker is full; waited" in err.value.details()
+            assert "unhealthy" not in err.value.details()
             assert all(router.registry.get(d.address).healthy for d in decoders)
+    asyncio.run(body())
+
+
+def test_a_request_waits_while_every_decode_worker_is_full():
+    async def body():
+        async with cluster(num_decode=1) as (stub, router, (prefill,), (decode,)):
+            decode.knobs.refuse_with = SC.RESOURCE_EXHAUSTED
+            await asyncio.sleep(0.15)
+            pending = asyncio.ensure_future(collect(stub, request("Hi", max_new_tokens=5)))
+            await wait_for(lambda: len(prefill.calls) >= 2)  # refused, and tried again
+            assert not pending.done()
+            decode.knobs.refuse_with = None  # room again
+            msgs = await asyncio.wait_for(pending, 5)
+            assert sum(len(m.token_ids) for m in msgs) == 5
     asyncio.run(body())
 
 
