@@ -79,31 +79,29 @@ def test_a_client_that_gives_up_mid_prefill_frees_both_workers(transport):
         assert prefill.counters["handoffs_sent"] == 0  # it was stopped, not run to the end
 
 
+def kill_mid_stream(cluster, kind: str) -> None:
+    """SIGKILL the ``kind`` worker while the long prompt's handoff streams; the request fails."""
+    async def scenario():
+        call = start_long(cluster)
+        await asyncio.to_thread(wait_reserved, cluster)
+        worker(cluster, kind).popen.send_signal(signal.SIGKILL)
+        return await asyncio.gather(call, return_exceptions=True)
+
+    (result,) = asyncio.run(scenario())
+    assert isinstance(result, grpc.aio.AioRpcError)
+
+
 @pytest.mark.parametrize("transport", ["stream", "device"])
 def test_a_prefill_worker_that_dies_mid_stream_leaves_nothing_on_decode(transport):
     with Cluster(config(transport)) as cluster:
-        async def scenario():
-            call = start_long(cluster)
-            await asyncio.to_thread(wait_reserved, cluster)
-            worker(cluster, "prefill").popen.send_signal(signal.SIGKILL)
-            return await asyncio.gather(call, return_exceptions=True)
-
-        (result,) = asyncio.run(scenario())
-        assert isinstance(result, grpc.aio.AioRpcError)
+        kill_mid_stream(cluster, "prefill")
         r = wait_free(cluster, "decode")
         assert (r.free_pages, r.free_slots) == (r.total_pages, r.total_slots)
 
 
 def test_a_decode_worker_that_dies_mid_stream_stops_and_frees_the_prefill():
     with Cluster(config("stream")) as cluster:
-        async def scenario():
-            call = start_long(cluster)
-            await asyncio.to_thread(wait_reserved, cluster)
-            worker(cluster, "decode").popen.send_signal(signal.SIGKILL)
-            return await asyncio.gather(call, return_exceptions=True)
-
-        (result,) = asyncio.run(scenario())
-        assert isinstance(result, grpc.aio.AioRpcError)
+        kill_mid_stream(cluster, "decode")
         r = wait_free(cluster, "prefill")
         assert (r.free_pages, r.free_slots) == (r.total_pages, r.total_slots)
         # stopped (by its broken stream, or by the router's abort once decode's token stream
