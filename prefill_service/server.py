@@ -98,7 +98,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     finish_reason=convert.finish_reason_to_pb(finished))
             try:
                 await pump
-            except grpc.aio.AioRpcError as exc:
+            except Exception as exc:  # decode's status, or the stream broke on our side
                 await self._handoff_failed(exc, decode_address, context)
             self.counters["handoffs_sent"] += 1
             self.counters["handoffs_as_pool_copies"] += int(handoff.pool_copies)
