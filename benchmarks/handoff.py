@@ -101,16 +101,16 @@ def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> list[bytes]:
     from common import convert
     from common.handoff.parts import TrailerPart
     from common.handoff.stream import header_of
-    from prefill_service.state_reader import StateReader, fold_checksums, new_ledgers
+    from prefill_service.state_reader import encode_layer, fold_checksums, new_ledgers
 
     header = header_of(payload)
     ledgers = new_ledgers(header.manifest)
-    encoder = StateReader(*(torch.empty(0),) * 3, None, chunk_bytes=chunk_bytes)
     messages = [convert.handoff_part_to_pb(header).SerializeToString()]
     for name, tensor in payload.fields.items():
         flat = tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
         for layer in range(tensor.shape[0]):
-            messages += encoder.encode(name, layer, 0, memoryview(flat[layer]), ledgers)
+            messages += encode_layer(name, layer, 0, memoryview(flat[layer]), ledgers,
+                                     chunk_bytes)
     trailer = TrailerPart(fold_checksums(header.manifest, ledgers), payload.first_token)
     return messages + [convert.handoff_part_to_pb(trailer).SerializeToString()]
 

@@ -110,8 +110,7 @@ class PrefillEngine(EngineLoop):
 
     def _abort(self, key: str) -> bool:
         found = self.engine.abort(key)
-        entry = self._jobs.pop(key, None)
-        self._reported.pop(key, None)
+        entry = self._finish(key)
         if entry is not None:
             self.counters["aborted"] += 1
             resolve(entry[1], error=PrefillAborted(f"handoff {key} was aborted"))
@@ -156,14 +155,14 @@ class PrefillEngine(EngineLoop):
                 if not resolve(result, first):  # its caller went away meanwhile
                     self.engine.release(key)
 
-    def _finish(self, key: str) -> None:
-        self._jobs.pop(key, None)
+    def _finish(self, key: str) -> tuple[PrefillJob, Future, ReadySink] | None:
+        """Stop tracking a request; its entry, if it was tracked."""
         self._reported.pop(key, None)
+        return self._jobs.pop(key, None)
 
     def on_step_failed(self, exc: StepFailed) -> None:
         for request_id in exc.request_ids:
-            entry = self._jobs.pop(request_id, None)
-            self._reported.pop(request_id, None)
+            entry = self._finish(request_id)
             if entry is not None:
                 resolve(entry[1], error=RuntimeError(f"prefill failed: {exc.__cause__!r}"))
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -82,7 +81,6 @@ class HandoffStream:
         self._pages_sent = 0
         self.pool_copies = False  # the receiver opened our pools (set by open)
         self.bytes_sent = 0
-        self.send_s = 0.0  # time spent sending after the prompt finished (not hidden)
 
     async def open(self, require_pool_copies: bool = False) -> None:
         """Write the header and wait for ``accepted``; raises AioRpcError on a refusal, and
@@ -148,12 +146,9 @@ class HandoffStream:
         """Send every part from ``ready_parts`` until the final one, then finish."""
         while True:
             ready: StateReady = await ready_parts.get()
-            started = time.perf_counter()
             await self.send(ready)
             if ready.final:
-                ack = await self.finish(ready.first_token)
-                self.send_s = time.perf_counter() - started
-                return ack
+                return await self.finish(ready.first_token)
 
     def cancel(self) -> None:
         self._call.cancel()

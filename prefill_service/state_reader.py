@@ -37,8 +37,8 @@ class PromptShape:
 
 
 class StateReader:
-    """Encodes pool contents as chunks of at most ``chunk_bytes``, keeping the checksum
-    ledgers of what it encoded (``checksums`` folds them for the trailer)."""
+    """Encodes pool contents as chunks of at most ``chunk_bytes``, recording each in the
+    caller's checksum ledgers (``fold_checksums`` turns them into the trailer's CRCs)."""
 
     def __init__(self, kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
                  draft_kv: torch.Tensor | None, chunk_bytes: int) -> None:
@@ -67,8 +67,8 @@ class StateReader:
             for layer in range(host.shape[0]):
                 for half in (0, 1):
                     offset = (half * prompt.num_pages + start) * page_bytes
-                    out += self.encode(name, layer, offset, memoryview(flat[layer, half]),
-                                        ledgers)
+                    out += encode_layer(name, layer, offset, memoryview(flat[layer, half]),
+                                        ledgers, self.chunk_bytes)
         return out
 
     def states(self, ready: StateReady,
@@ -79,19 +79,8 @@ class StateReader:
             host = self._to_host(lambda: pool[:, ready.slot].contiguous(), ready)
             flat = host.view(host.shape[0], -1).view(torch.uint8).numpy()
             for layer in range(host.shape[0]):
-                out += self.encode(name, layer, 0, memoryview(flat[layer]), ledgers)
-        return out
-
-    def encode(self, name: str, layer: int, offset: int, data: memoryview,
-                ledgers: dict[tuple[str, int], LayerLedger]) -> list[bytes]:
-        """``data`` (bytes ``offset..`` of one layer of ``name``) as encoded chunks, each
-        recorded in its layer's checksum ledger."""
-        ledger = ledgers[(name, layer)]
-        out = []
-        for start in range(0, len(data), self.chunk_bytes):
-            piece = data[start:start + self.chunk_bytes]
-            ledger.add(offset + start, piece, f"{name} layer {layer}")
-            out.append(encode_chunk(name, layer, offset + start, piece))
+                out += encode_layer(name, layer, 0, memoryview(flat[layer]), ledgers,
+                                    self.chunk_bytes)
         return out
 
     def _to_host(self, gather, ready: StateReady) -> torch.Tensor:
@@ -133,3 +122,16 @@ def fold_checksums(manifest: dict[str, FieldSpec],
             crc = ledgers[(name, layer)].fold(crc, f"{name} layer {layer}")
         checksums[name] = crc
     return checksums
+
+
+def encode_layer(name: str, layer: int, offset: int, data: memoryview,
+                 ledgers: dict[tuple[str, int], LayerLedger], chunk_bytes: int) -> list[bytes]:
+    """``data`` (bytes ``offset..`` of one layer of ``name``) as encoded chunks of at most
+    ``chunk_bytes``, each recorded in its layer's checksum ledger."""
+    ledger = ledgers[(name, layer)]
+    out = []
+    for start in range(0, len(data), chunk_bytes):
+        piece = data[start:start + chunk_bytes]
+        ledger.add(offset + start, piece, f"{name} layer {layer}")
+        out.append(encode_chunk(name, layer, offset + start, piece))
+    return out
