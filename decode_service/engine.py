@@ -49,6 +49,17 @@ class DecodeEngine(EngineLoop):
         return SourcePools(e.kv_pool.kv, e.state_pool.conv, e.state_pool.ssm,
                            e.speculator.draft_pool.kv if e.speculator is not None else None)
 
+    def admit(self, reservation: PoolReservation, first_token: int) -> Future:
+        """Start decoding a handoff whose bytes have all landed (a future of None)."""
+        return self.call(self._admit, reservation, first_token)
+
+    def abort(self, handoff_id: int) -> Future:
+        return self.call(self._abort, handoff_id)
+
+    def load(self) -> dict[str, int]:
+        """A load snapshot, read from the calling thread: never waits for a step."""
+        return self.engine.load()
+
     # --- engine thread ---
     def _reserve(self, header: HeaderPart, source: SourcePools | None) -> PoolReservation:
         e = self.engine
@@ -101,17 +112,6 @@ class DecodeEngine(EngineLoop):
                 f"dflash_context is {spec.dtype}{list(spec.shape)}, this worker's draft needs "
                 f"{str(pool.dtype).removeprefix('torch.')}{list(expected)}: the prefill worker "
                 "runs a different draft")
-
-    def admit(self, reservation: PoolReservation, first_token: int) -> Future:
-        """Start decoding a handoff whose bytes have all landed (a future of None)."""
-        return self.call(self._admit, reservation, first_token)
-
-    def abort(self, handoff_id: int) -> Future:
-        return self.call(self._abort, handoff_id)
-
-    def load(self) -> dict[str, int]:
-        """A load snapshot, read from the calling thread: never waits for a step."""
-        return self.engine.load()
 
     def _admit(self, res: PoolReservation, first_token: int) -> None:
         with res.lock:
