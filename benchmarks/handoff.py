@@ -22,6 +22,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -94,10 +96,10 @@ def copy_seconds(payload: HandoffPayload, repeats: int) -> float:
     return best
 
 
-def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> list[bytes]:
-    """The payload's messages as the prefill worker writes them: the header and trailer through
+def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> Iterator[bytes]:
+    """The payload's messages as the prefill worker makes them: the header and trailer through
     protobuf, every layer's bytes encoded straight from tensor memory into chunks with their
-    checksums (``prefill_service/state_reader.py``)."""
+    checksums (``prefill_service/state_reader.py``), made as they are pulled."""
     from common import convert
     from common.handoff.parts import TrailerPart
     from common.handoff.stream import header_of
@@ -105,14 +107,14 @@ def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> list[bytes]:
 
     header = header_of(payload)
     ledgers = new_ledgers(header.manifest)
-    messages = [convert.handoff_part_to_pb(header).SerializeToString()]
+    yield convert.handoff_part_to_pb(header).SerializeToString()
     for name, tensor in payload.fields.items():
         flat = tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
         for layer in range(tensor.shape[0]):
-            messages += encode_layer(name, layer, 0, memoryview(flat[layer]), ledgers,
-                                     chunk_bytes)
+            yield from encode_layer(name, layer, 0, memoryview(flat[layer]), ledgers,
+                                    chunk_bytes)
     trailer = TrailerPart(fold_checksums(header.manifest, ledgers), payload.first_token)
-    return messages + [convert.handoff_part_to_pb(trailer).SerializeToString()]
+    yield convert.handoff_part_to_pb(trailer).SerializeToString()
 
 
 async def measure(address: str, config: ModelConfig, lengths, repeats: int,
@@ -122,6 +124,7 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
     from prefill_service.handoff_sender import HANDOFF_METHOD, send_handoff
 
     rows = []
+    executor = ThreadPoolExecutor(max_workers=1)
     async with make_channel(address, ChannelSecurity()) as channel:
         handoff = channel.stream_stream(HANDOFF_METHOD, request_serializer=None,
                                         response_deserializer=decode_pb2.HandoffReply.FromString)
@@ -134,7 +137,9 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
             for _ in range(repeats):
                 payload = make_payload(config, n)  # a fresh handoff id each time
                 start = time.perf_counter()
-                await send_handoff(Stub, encoded_messages(payload, chunk_bytes), 600.0)
+                # encoded on a thread while the loop writes, as the prefill worker does
+                await send_handoff(Stub, encoded_messages(payload, chunk_bytes), 600.0,
+                                   executor)
                 best = min(best, time.perf_counter() - start)
             nbytes = sum(t.numel() * t.element_size() for t in payload.fields.values())
             copy_s = copy_seconds(payload, repeats)

@@ -29,6 +29,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
+from common.model.registry import resolve_model
 from common.tokenizer import token_content
 
 __all__ = ["BUILTIN_TEMPLATE", "ChatTemplate", "ChatTemplateError", "load_chat_template"]
@@ -207,7 +208,7 @@ def load_chat_template(model_path_or_name: str) -> ChatTemplate | None:
     None when the checkpoint has none."""
     if model_path_or_name == "tiny":
         return ChatTemplate(BUILTIN_TEMPLATE, dict(_BUILTIN_SPECIAL_TOKENS))
-    directory = Path(model_path_or_name)
+    directory = Path(resolve_model(model_path_or_name))
     if not directory.is_dir():
         return None
     tok_cfg = _read_json(directory / "tokenizer_config.json")

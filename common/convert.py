@@ -16,6 +16,7 @@ from common.handoff.manifest import FieldSpec
 from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, PoolCopyPart, TrailerPart
 from common.limits import check_request_id, unique_stop_token_ids
 from common.load_report import LoadReport
+from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import decode_pb2, types_pb2
 from common.sampling import SamplingParams
 
@@ -32,7 +33,7 @@ _KIND_TO_PB = {"prefill": types_pb2.WORKER_KIND_PREFILL, "decode": types_pb2.WOR
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 # SamplingParams fields with explicit presence on the wire, in declaration order
 _SAMPLING_SCALARS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens",
-                     "ignore_eos")
+                     "ignore_eos", "logprobs")
 
 
 def finish_reason_to_pb(reason: str | None) -> int:
@@ -55,13 +56,16 @@ def finish_reason_from_pb(value: int) -> str:
 # sampling
 def sampling_to_pb(params: SamplingParams,
                    speculative: bool | None = None) -> types_pb2.SamplingParams:
-    """Every field set (fully resolved); ``seed`` and ``speculative`` only when not None."""
+    """Every field set (fully resolved); ``seed``, ``logprobs`` and ``speculative`` only when
+    not None."""
     msg = types_pb2.SamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         min_p=params.min_p, max_new_tokens=params.max_new_tokens,
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     if speculative is not None:
         msg.speculative = speculative
     return msg
@@ -78,6 +82,20 @@ def sampling_from_pb(msg: types_pb2.SamplingParams) -> SamplingParams:
     if msg.stop_token_ids:
         kwargs["stop_token_ids"] = unique_stop_token_ids(msg.stop_token_ids)
     return SamplingParams(**kwargs)
+
+
+def logprobs_to_pb(logprobs: TokenLogprobs) -> types_pb2.TokenLogprobs:
+    return types_pb2.TokenLogprobs(
+        logprob=logprobs.logprob, top_token_ids=[t for t, _ in logprobs.top],
+        top_logprobs=[v for _, v in logprobs.top])
+
+
+def logprobs_from_pb(msg: types_pb2.TokenLogprobs) -> TokenLogprobs:
+    """Raises ``ValueError`` when the top ids and values differ in number."""
+    if len(msg.top_token_ids) != len(msg.top_logprobs):
+        raise ValueError(f"log-probabilities with {len(msg.top_token_ids)} top token ids but "
+                         f"{len(msg.top_logprobs)} values")
+    return TokenLogprobs(msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
 def speculative_from_pb(msg: types_pb2.SamplingParams) -> bool | None:
@@ -156,8 +174,11 @@ def handoff_part_to_pb(part: HandoffPart) -> decode_pb2.HandoffMessage:
         return decode_pb2.HandoffMessage(pool_copy=decode_pb2.PoolCopy(
             field=part.field, src_index=list(part.src_index), dst_start=part.dst_start))
     if isinstance(part, TrailerPart):
-        return decode_pb2.HandoffMessage(trailer=decode_pb2.HandoffTrailer(
-            crc32=dict(part.checksums), first_token=part.first_token))
+        trailer = decode_pb2.HandoffTrailer(crc32c=dict(part.checksums),
+                                            first_token=part.first_token)
+        if part.first_logprobs is not None:
+            trailer.first_token_logprobs.CopyFrom(logprobs_to_pb(part.first_logprobs))
+        return decode_pb2.HandoffMessage(trailer=trailer)
     raise TypeError(f"not a handoff part: {type(part)!r}")
 
 
@@ -172,8 +193,14 @@ def handoff_part_from_pb(msg: decode_pb2.HandoffMessage) -> HandoffPart:
         return PoolCopyPart(field=c.field, src_index=tuple(c.src_index), dst_start=c.dst_start)
     if kind == "trailer":
         t = msg.trailer
-        return TrailerPart(checksums=dict(t.crc32),
-                           first_token=t.first_token if t.HasField("first_token") else None)
+        try:
+            first_logprobs = (logprobs_from_pb(t.first_token_logprobs)
+                              if t.HasField("first_token_logprobs") else None)
+        except ValueError as err:
+            raise HandoffError("INVALID_ARGUMENT", f"trailer: {err}") from None
+        return TrailerPart(checksums=dict(t.crc32c),
+                           first_token=t.first_token if t.HasField("first_token") else None,
+                           first_logprobs=first_logprobs)
     if kind != "header":
         raise HandoffError("INVALID_ARGUMENT", "handoff message carries no part")
     h = msg.header

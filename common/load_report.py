@@ -11,7 +11,9 @@ WORKER_KINDS = ("prefill", "decode")
 class LoadReport:
     """What one worker reports for worker choice: pool occupancy, queue, running requests.
 
-    ``kind`` is "prefill" or "decode"; ``counters`` are monotonic totals by name.
+    ``kind`` is "prefill" or "decode"; ``counters`` are monotonic totals by name, read from the
+    worker's metrics object (``PrefillMetrics`` / ``DecodeMetrics.load_counters``: the names
+    are listed in docs/metrics.md).
     """
 
     kind: str

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.logprobs import check_num_logprobs
+
 __all__ = [
     "GREEDY_TEMPERATURE",
     "SamplingParams",
@@ -52,6 +54,9 @@ class SamplingParams:
     max_new_tokens: generation stops with reason "length" after this many tokens.
     stop_token_ids: tokens that end generation (the token itself is still emitted).
     ignore_eos: keep generating past the model's end-of-sequence tokens.
+    logprobs: report each generated token's log-probability and those of the ``logprobs``
+        most likely tokens at its position (0: the generated token's only), at most
+        ``MAX_LOGPROBS``; None reports none (``common/logprobs.py`` says which distribution).
     """
 
     temperature: float = 1.0
@@ -62,6 +67,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
@@ -83,6 +89,7 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
+        check_num_logprobs(self.logprobs)
 
     @property
     def is_greedy(self) -> bool:

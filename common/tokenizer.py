@@ -9,6 +9,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
+from common.model.registry import resolve_model
+
 __all__ = [
     "Tokenizer",
     "HFTokenizer",
@@ -287,10 +289,12 @@ class TokenIdsOnly(Tokenizer):
 
 
 def load_tokenizer(model_path_or_name: str, *, allow_missing: bool = False) -> Tokenizer:
-    """"tiny" -> the built-in ByteTokenizer; a directory with tokenizer.json -> HFTokenizer; a
-    checkpoint directory without one -> :class:`TokenIdsOnly` if ``allow_missing``."""
+    """"tiny" -> the built-in ByteTokenizer; a directory with tokenizer.json (or a built-in
+    checkpoint's name) -> HFTokenizer; a checkpoint directory without one ->
+    :class:`TokenIdsOnly` if ``allow_missing``."""
     if model_path_or_name == "tiny":
         return ByteTokenizer()
+    model_path_or_name = resolve_model(model_path_or_name)
     path = Path(model_path_or_name)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return HFTokenizer(path)

@@ -9,9 +9,14 @@ import time
 
 import torch
 
+from common.cache.sizing import (DEFAULT_NUM_PAGES, DEFAULT_NUM_SLOTS, PoolRequest, SizingError,
+                                 format_bytes)
 from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.llm_engine import CacheConfig, EngineConfig
 from common.lifecycle import die_with_parent_if_asked
+from common.progress import NO_PROGRESS_ENV
+from common.logging_setup import add_log_format_arg, configure_logging
+from common.metrics.server import add_metrics_port_arg, check_metrics_port
 from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig
 
@@ -20,7 +25,7 @@ HANDOFF_TRANSPORTS = ("auto", "stream", "device")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (it is printed)")
     p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (built in)")
     p.add_argument("--handoff-transport", choices=HANDOFF_TRANSPORTS, default="auto",
@@ -28,14 +33,26 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "works anywhere), 'device' (same host: the decode worker copies out of "
                         "the prefill worker's pools through CUDA IPC or shared memory), 'auto' "
                         "(device where both ends can, else stream) (default: %(default)s)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the config's)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=2048, help="KV pages, scratch page included")
-    p.add_argument("--num-slots", type=int, default=65, help="GDN state slots, scratch included")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--mem-fraction", type=float, default=None, metavar="F",
+                   help="size the KV pages and GDN state slots so that this worker uses at most "
+                        "F of its device's total memory, weights, CUDA graphs and activations "
+                        "included (measured at start-up); workers sharing a device need "
+                        "fractions that add up to at most 1. On the CPU: F of physical "
+                        "memory, less the weights. Default: fixed --num-pages and --num-slots "
+                        "(docs/operations.md)")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help=f"KV pages, scratch page included (default: {DEFAULT_NUM_PAGES}, or "
+                        "what --mem-fraction leaves)")
+    p.add_argument("--num-slots", type=int, default=None,
+                   help=f"GDN state slots, scratch included (default: {DEFAULT_NUM_SLOTS}; "
+                        "with --mem-fraction, --max-running-requests + 1)")
     p.add_argument("--max-prefill-tokens", type=int, default=2048,
                    help="token budget of one prefill step (the chunk size of long prompts)")
-    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-running-requests", type=int, default=64,
+                   help="requests in one batch at most")
     p.add_argument("--draft", default=None,
                    help="DFLASH draft: 'tiny' (pairs with the built-in model) or a z-lab format "
                         "checkpoint directory; on by default for every request when given")
@@ -47,7 +64,16 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=5.0,
                    help="on SIGTERM, seconds running requests get to finish before they end "
                         "with finish reason ABORT")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_progress_arg(p)
+    add_log_format_arg(p)
+    add_metrics_port_arg(p)
+
+
+def add_progress_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars for weight loading and CUDA graph capture (they are "
+                        f"drawn only when stderr is a terminal and {NO_PROGRESS_ENV} is unset)")
 
 
 def add_cuda_graph_args(p: argparse.ArgumentParser) -> None:
@@ -81,9 +107,12 @@ def kernels_from_args(args: argparse.Namespace):
 
 
 def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> EngineConfig:
+    """The engine's settings, with the fixed pool sizes (``pool_request_from_args`` and
+    ``size_engine_pools`` size them by memory)."""
     return EngineConfig(
-        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
-                          num_slots=args.num_slots),
+        cache=CacheConfig(page_size=args.page_size,
+                          num_pages=args.num_pages or DEFAULT_NUM_PAGES,
+                          num_slots=args.num_slots or DEFAULT_NUM_SLOTS),
         scheduler=SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens,
                                   max_running_requests=args.max_running_requests,
                                   reserve_output_tokens=not prefill),
@@ -105,21 +134,46 @@ def build_engine(args: argparse.Namespace, *, prefill: bool):
     """Model, optional draft and engine for a worker, with the handoff layout and model
     fingerprint both sides must agree on; returns ``(engine, layout, fingerprint)``."""
     from common.engine.llm_engine import LLMEngine
+    from common.engine.pool_sizing import check_fit, size_engine_pools
     from common.handoff.layout import LayoutDescriptor, model_fingerprint
     from common.model.dflash import load_draft
     from common.model.load import eos_token_ids_for, load_model, weights_identity
 
-    model = load_model(args.model, dtype=dtype_from_args(args), device=args.device,
-                       kernels=kernels_from_args(args))
-    draft = load_draft(args.draft, model) if args.draft else None
+    log = logging.getLogger(__name__)
+    progress = not args.no_progress
     config = engine_config_from_args(args, prefill=prefill)
-    engine = LLMEngine(model, config, eos_token_ids_for(args.model, model.config), draft=draft,
-                       block_size=args.block_size)
+    request = pool_request_from_args(args, config, prefill=prefill)  # checked before loading
+    model = load_model(args.model, dtype=dtype_from_args(args), device=args.device,
+                       kernels=kernels_from_args(args), progress=progress)
+    draft = load_draft(args.draft, model) if args.draft else None
+    eos = eos_token_ids_for(args.model, model.config)
+    config, sizing = size_engine_pools(model, config, request, draft=draft,
+                                       block_size=args.block_size, eos_token_ids=eos,
+                                       progress=progress)
+    log.info("%s", sizing.describe())
+    if sizing.over_budget_bytes:
+        log.warning("the pools given exceed the --mem-fraction budget by %s",
+                    format_bytes(sizing.over_budget_bytes))
+    engine = LLMEngine(model, config, eos, draft=draft, block_size=args.block_size)
     start = time.perf_counter()
-    engine.warmup()
-    logging.getLogger(__name__).info("warm-up took %.1f s", time.perf_counter() - start)
+    engine.warmup(progress)
+    log.info("warm-up took %.1f s", time.perf_counter() - start)
+    check_fit(engine, sizing)
     layout = LayoutDescriptor.from_model(model.config, config.cache.page_size, model.dtype)
     return engine, layout, model_fingerprint(model.config, weights_identity(args.model))
+
+
+def pool_request_from_args(args: argparse.Namespace, config: EngineConfig, *,
+                           prefill: bool) -> PoolRequest:
+    """What the pool flags ask for. A prefill worker that offers its pools to same-host decode
+    workers (``--handoff-transport`` auto or device) copies them once at start-up."""
+    from common.engine.pool_sizing import min_pages
+
+    return PoolRequest(mem_fraction=args.mem_fraction, num_pages=args.num_pages,
+                       num_slots=args.num_slots,
+                       default_slots=config.scheduler.max_running_requests + 1,
+                       min_pages=min_pages(config),
+                       copied_at_start=prefill and args.handoff_transport != "stream")
 
 
 def dtype_from_args(args: argparse.Namespace) -> torch.dtype | None:
@@ -135,28 +189,31 @@ def run_worker(args: argparse.Namespace, serve) -> int:
 
     from common.security import security_from_args
 
-    setup_process(args.log_level)
+    setup_process(args.log_level, args.log_format)
     try:
         security = security_from_args(args, os.environ)
         security.internal_server()  # its flag combinations are checked before the model loads
+        check_metrics_port(args.metrics_port, args.tls_cert)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(serve(args, security))
+    except SizingError as exc:  # pools that do not fit: the flags must change
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:  # e.g. the port is in use
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
 
-def setup_process(level: str) -> None:
+def setup_process(level: str, log_format: str = "text") -> None:
     """Logging, and a short GIL switch interval: the engine thread and the asyncio loop share
     the GIL, and at the default 5 ms every token waits up to that long to reach the network."""
     sys.setswitchinterval(0.0005)
     die_with_parent_if_asked()
-    setup_logging(level)
+    setup_logging(level, log_format)
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(level: str, log_format: str = "text") -> None:
+    configure_logging(level, log_format)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.cli_help import HelpFormatter, description
 from common.grpc_util import serve_until_signal
+from common.metrics.server import bind_metrics, start_metrics
 from common.security import Security
 from common.worker_args import add_worker_args, build_engine, run_worker
 from decode_service.server import build_decode_service
@@ -16,12 +18,15 @@ SERVICE_NAME = "flashsplit.v1.Decode"
 async def serve(args: argparse.Namespace, security: Security) -> int:
     """Serve until SIGTERM/SIGINT (0) or until the engine thread dies (non-zero)."""
     server_security = security.internal_server()
+    # bound before the model loads: a port in use fails at once
+    metrics_server = bind_metrics(args.host, args.metrics_port)
     llm, layout, fingerprint = build_engine(args, prefill=False)
     service = build_decode_service(llm, layout, fingerprint, host=args.host, port=args.port,
                                    max_handoff_bytes=args.max_handoff_bytes,
                                    security=server_security,
                                    transport=args.handoff_transport,
                                    idle_timeout_s=args.handoff_idle_timeout)
+    start_metrics(metrics_server, service.engine.metrics.registry, "flashsplit-decode")
     try:
         return await serve_until_signal(
             service.server, service.health, [SERVICE_NAME],
@@ -29,17 +34,24 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
             shutdown=service.shutdown, engine=service.engine)
     finally:
         service.engine.stop()
+        if metrics_server is not None:
+            metrics_server.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashsplit-decode", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashsplit-decode", description=description(__doc__),
+                                     formatter_class=HelpFormatter)
     add_worker_args(parser)
     parser.add_argument("--max-handoff-bytes", type=int, default=8 << 30,
                         help="largest handoff payload accepted (default: %(default)s)")
     parser.add_argument("--handoff-idle-timeout", type=float, default=60.0,
                         help="seconds a handoff may send nothing before its room is released "
                              "(default: %(default)s)")
-    return run_worker(parser.parse_args(argv), serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(build_parser().parse_args(argv), serve)
 
 
 if __name__ == "__main__":

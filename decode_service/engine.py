@@ -17,6 +17,8 @@ from common.engine.scheduler import RequestTooLarge
 from common.handoff.errors import HandoffError
 from common.handoff.manifest import REQUIRED_FIELDS
 from common.handoff.parts import HeaderPart
+from common.logprobs import TokenLogprobs
+from common.metrics.decode_metrics import DecodeMetrics
 from decode_service.peer_pools import SourcePools
 from decode_service.reservation import PoolReservation
 
@@ -32,7 +34,8 @@ class DecodeEngine(EngineLoop):
             raise ValueError("a decode engine continues requests; hold_after_prefill must be off")
         self.engine = engine
         self.sink = sink
-        self.counters = {"admitted": 0, "finished": 0, "aborted": 0, "generated_tokens": 0}
+        self.metrics = DecodeMetrics(self.load, block_size=engine.speculator.block_size
+                                     if engine.speculator is not None else None)
 
     # --- any thread ---
     def reserve(self, header: HeaderPart, source: SourcePools | None = None) -> Future:
@@ -49,9 +52,10 @@ class DecodeEngine(EngineLoop):
         return SourcePools(e.kv_pool.kv, e.state_pool.conv, e.state_pool.ssm,
                            e.speculator.draft_pool.kv if e.speculator is not None else None)
 
-    def admit(self, reservation: PoolReservation, first_token: int) -> Future:
+    def admit(self, reservation: PoolReservation, first_token: int,
+              first_logprobs: TokenLogprobs | None = None) -> Future:
         """Start decoding a handoff whose bytes have all landed (a future of None)."""
-        return self.call(self._admit, reservation, first_token)
+        return self.call(self._admit, reservation, first_token, first_logprobs)
 
     def abort(self, handoff_id: int) -> Future:
         return self.call(self._abort, handoff_id)
@@ -98,9 +102,17 @@ class DecodeEngine(EngineLoop):
         self.engine.state_pool.allocator.free([slot])
 
     def _check_draft_context(self, header: HeaderPart) -> None:
-        """A draft context must fit this worker's draft exactly (the same draft on both sides)."""
+        """A draft context must fit this worker's draft exactly (the same draft on both sides),
+        and a request that asks for speculative decoding must get it (FAILED_PRECONDITION)."""
         spec = header.manifest.get("dflash_context")
         speculator = self.engine.speculator
+        if header.speculative and (speculator is None or spec is None):
+            why = ("this decode worker has no draft" if speculator is None else
+                   "the prefill worker sent no draft context (it runs without one)")
+            raise HandoffError(
+                "FAILED_PRECONDITION",
+                f"speculative decoding was asked for, but {why}: start the workers with "
+                "--draft (flashsplit up --draft ...), or leave speculative unset")
         if spec is None or speculator is None:
             return  # no context, or no draft here: the request decodes without speculation
         pool = speculator.draft_pool.kv
@@ -113,7 +125,8 @@ class DecodeEngine(EngineLoop):
                 f"{str(pool.dtype).removeprefix('torch.')}{list(expected)}: the prefill worker "
                 "runs a different draft")
 
-    def _admit(self, res: PoolReservation, first_token: int) -> None:
+    def _admit(self, res: PoolReservation, first_token: int,
+               first_logprobs: TokenLogprobs | None) -> None:
         with res.lock:
             if not res.owned:
                 raise HandoffError("ABORTED", f"handoff {res.header.handoff_id} was released")
@@ -129,39 +142,45 @@ class DecodeEngine(EngineLoop):
         try:
             event = e.admit_prefilled(key, list(h.prompt_ids), first_token, h.sampling,
                                       res.page_ids, res.slot,
-                                      speculative=res.has_draft_context)
+                                      speculative=res.has_draft_context,
+                                      first_logprobs=first_logprobs)
         except Exception:
             # the room is this call's again: free it before the caller hears of the failure
             if not e.abort(key):  # abort frees what the registered request owned
                 self._free_room(res.page_ids, res.slot)
             raise
-        self.counters["admitted"] += 1
+        self.metrics.admitted_request()
+        self.metrics.tokens_emitted(1)
         self._emit(event)
 
     def _abort(self, handoff_id: int) -> bool:
         found = self.engine.abort(str(handoff_id))
         if found:
-            self.counters["aborted"] += 1
+            self.metrics.request_ended("abort")
         return found
 
     def _emit(self, event: TokenEvent) -> None:
-        self.counters["generated_tokens"] += 1
+        if event.accept_length is not None:  # the first token of a DFLASH step
+            self.metrics.spec_step(event.accept_length)
         if event.finish_reason is not None:
-            self.counters["finished"] += 1
+            self.metrics.request_ended(event.finish_reason)
         self.sink(event)
 
     def has_work(self) -> bool:
         return self.engine.has_work()
 
     def step(self) -> None:
-        for event in self.engine.step():
+        events = self.engine.step()
+        self.metrics.tokens_emitted(len(events))
+        for event in events:
             self._emit(event)
 
     def on_step_failed(self, exc: StepFailed) -> None:
         for request_id in exc.request_ids:
-            self.counters["finished"] += 1
+            self.metrics.request_ended("error")
             self.sink(TokenEvent(request_id, -1, "error"))
 
     def on_fatal(self, exc: BaseException) -> None:
         for request_id in list(self.engine.requests):
+            self.metrics.request_ended("error")
             self.sink(TokenEvent(request_id, -1, "error"))

@@ -14,6 +14,7 @@ draft's pool.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable
 
@@ -84,6 +85,8 @@ class PoolReservation:
         # NOTE: admission (engine thread) and release (a cancelled handler) can race; whoever
         # takes ownership first under this lock wins, so pages never have two owners.
         self.lock = threading.Lock()
+        self._idle = threading.Condition(self.lock)  # no write running
+        self._writers = 0
 
     @property
     def has_draft_context(self) -> bool:
@@ -91,11 +94,28 @@ class PoolReservation:
         return self._draft_kv is not None and "dflash_context" in self.header.manifest
 
     def write(self, field: str, layer: int, offset: int, data: bytes | memoryview) -> None:
-        if self._stream is None:
-            self._write(field, layer, offset, data)
-            return
-        with torch.cuda.stream(self._stream):
-            self._write(field, layer, offset, data)
+        """Land bytes (writer threads, several at once for disjoint ranges); ABORTED once the
+        room was released or admitted."""
+        with self._writing():
+            if self._stream is None:
+                self._write(field, layer, offset, data)
+                return
+            with torch.cuda.stream(self._stream):
+                self._write(field, layer, offset, data)
+
+    @contextlib.contextmanager
+    def _writing(self):
+        with self.lock:
+            if not self.owned:
+                raise HandoffError("ABORTED", "the room of this handoff was given back")
+            self._writers += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._writers -= 1
+                if not self._writers:
+                    self._idle.notify_all()
 
     def _write(self, field: str, layer: int, offset: int, data: bytes | memoryview) -> None:
         num_pages = self.header.layout.num_pages(self.header.prompt_len)
@@ -116,11 +136,12 @@ class PoolReservation:
         if self.source is None:
             raise HandoffError("INVALID_ARGUMENT", "a pool copy without the sender's pools")
         self._pool_copies = True
-        if self._stream is None:
-            self._copy(part)
-            return
-        with torch.cuda.stream(self._stream):
-            self._copy(part)
+        with self._writing():
+            if self._stream is None:
+                self._copy(part)
+                return
+            with torch.cuda.stream(self._stream):
+                self._copy(part)
 
     def _copy(self, part: PoolCopyPart) -> None:
         src = self.source
@@ -163,6 +184,9 @@ class PoolReservation:
             if not self.owned:
                 return
             self.owned = False
+            # a write already running finishes first: its bytes must not land in the next
+            # owner's pages (no new one starts now)
+            self._idle.wait_for(lambda: not self._writers)
         if self._stream is not None:
             self._stream.synchronize()  # no copy of ours may land in the next owner's pages
         self._free(self.page_ids, self.slot)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -15,14 +16,16 @@ from common.engine.llm_engine import LLMEngine, TokenEvent
 from common.grpc_util import abort_if_engine_stopped, bind, make_server
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
-from common.handoff.chunk_codec import decode_chunk
+from common.handoff.chunk_codec import RawChunk, decode_chunk
 from common.handoff.parts import ChunkPart, HeaderPart, PoolCopyPart
 from common.handoff.stream import HandoffAssembler
 from common.limits import request_capacity_tokens
 from common.load_report import LoadReport
+from common.logging_setup import bind_request_id
 from common.security import ServerSecurity
 from common.shutdown import GracefulShutdown
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
+from decode_service.chunk_landings import ChunkLandings
 from decode_service.engine import DecodeEngine
 from decode_service.peer_pools import PeerPools
 from decode_service.streams import TokenStreams
@@ -47,9 +50,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.fingerprint = fingerprint
         self.address = address
         self.max_handoff_bytes = max_handoff_bytes
-        self.counters = {"handoffs_received": 0, "handoffs_refused": 0, "handoff_bytes": 0}
-        # lands chunk bytes (checksum, copy into the pools); a handler awaits each of its own
-        # chunks, so the writes of one handoff never run at the same time
+        self.metrics = engine.metrics
+        # lands chunk bytes (checksum, copy into the pools), several chunks of a handoff at once
         self.writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="handoff-writer")
 
     async def _reserve(self, header: HeaderPart, source):
@@ -73,12 +75,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         assembler = HandoffAssembler(self.layout, self.fingerprint, self.max_handoff_bytes,
                                      reserve=None)
         loop = asyncio.get_running_loop()
+        landings = ChunkLandings(assembler, self.writer)
         reservation = None
+        began = time.perf_counter()  # the header is the call's first message
         try:
             async for message in _until_idle(request_iterator, self.idle_timeout_s):
-                part = _handoff_part(message)
+                raw = decode_chunk(message)
+                part = _handoff_part(message, raw)
                 if isinstance(part, HeaderPart):
                     assembler.check_header(part)
+                    bind_request_id(part.request_id)
                     source = await loop.run_in_executor(self.writer, self.peers.open,
                                                         part.source_pools)
                     assembler.start(part, await self._reserve(part, source),
@@ -90,17 +96,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 header = assembler.header
                 if header is not None and self.streams.is_aborted(header.handoff_id):
                     raise HandoffError("ABORTED", f"handoff {header.handoff_id} was aborted")
-                if isinstance(part, (ChunkPart, PoolCopyPart)):
-                    # checksum and copy off the event loop: other handoffs and token streams
-                    # share it
+                if isinstance(part, ChunkPart):
+                    # checksum and copy on writer threads while the next chunks arrive: other
+                    # handoffs and token streams share the event loop
+                    await landings.add(part, message, raw)
+                elif isinstance(part, PoolCopyPart):
                     await loop.run_in_executor(self.writer, assembler.on_part, part)
                 else:
+                    await landings.drain()  # the trailer's checks need every chunk's CRC
                     assembler.on_part(part)
+            await landings.drain()
             # DATA_LOSS if the stream ended before the trailer; else the verified reservation
             reservation = assembler.on_end()
-            await asyncio.wrap_future(self.engine.admit(reservation, assembler.first_token))
+            await asyncio.wrap_future(self.engine.admit(reservation, assembler.first_token,
+                                                        assembler.first_logprobs))
         except HandoffError as exc:
-            self.counters["handoffs_refused"] += 1
+            self.metrics.handoff_ended(exc.code)
+            await landings.settle()
             if reservation is not None:
                 reservation.release()
             assembler.abort()
@@ -112,14 +124,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 async for _ in request_iterator:
                     pass
             await context.abort(grpc.StatusCode[exc.code], exc.message)
-        except BaseException:
-            # cancelled by the sender, or a bug: either way free what was held
+        except BaseException as exc:
+            # cancelled by the sender, or a bug: either way free what was held, once no
+            # writer thread still lands bytes in it
+            self.metrics.handoff_ended("UNKNOWN" if isinstance(exc, Exception) else "CANCELLED")
+            await landings.settle()
             if reservation is not None:
                 reservation.release()
             assembler.abort()
             raise
-        self.counters["handoffs_received"] += 1
-        self.counters["handoff_bytes"] += assembler.bytes_received
+        self.metrics.handoff_admitted(assembler.bytes_received, time.perf_counter() - began)
+        log.info("handoff %016x admitted: %d prompt tokens, %d bytes",
+                 assembler.header.handoff_id, len(assembler.header.prompt_ids),
+                 assembler.bytes_received)
         yield decode_pb2.HandoffReply(ack=decode_pb2.HandoffAck(
             handoff_id=assembler.header.handoff_id, bytes_received=assembler.bytes_received))
 
@@ -152,7 +169,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     token_ids=tokens, finish_reason=convert.finish_reason_to_pb(last),
                     accept_lengths=[e.accept_length for e in events
                                     if e.accept_length is not None],
-                    error="decode engine failed" if last == "error" else "")
+                    error="decode engine failed" if last == "error" else "",
+                    logprobs=[convert.logprobs_to_pb(e.logprobs) for e in events
+                              if e.token_id >= 0 and e.logprobs is not None])
         finally:
             self.streams.close(handoff_id)
             if not finished:
@@ -178,8 +197,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             queue_len=load["waiting"], running=load["running"],
             # DFLASH totals (spec_steps, spec_committed_tokens, spec_drafted_tokens) appear only
             # on a worker with a draft; mean acceptance = committed / steps
-            counters={**{k: v for k, v in load.items() if k.startswith("spec_")},
-                      **self.engine.counters, **self.counters},
+            counters=self.metrics.load_counters(),
             max_request_tokens=request_capacity_tokens(self.engine.engine)))
 
 
@@ -241,11 +259,11 @@ async def _until_idle(messages, timeout_s: float):
         yield message
 
 
-def _handoff_part(message: bytes):
+def _handoff_part(message: bytes, raw: RawChunk | None):
     """One ``Decode.Handoff`` message, as it came off the wire, as a handoff part. A chunk is
-    read in place (``chunk_codec.decode_chunk``: its data a view of the message): protobuf
-    would copy its megabytes twice, at about 0.4 GB/s. Anything else goes through protobuf."""
-    raw = decode_chunk(message)
+    read in place (``raw``, from ``chunk_codec.decode_chunk``: its data a view of the message):
+    protobuf would copy its megabytes twice, at about 0.4 GB/s. Anything else goes through
+    protobuf."""
     if raw is not None:
         return ChunkPart(field=raw.field, layer=raw.layer, offset=raw.offset, data=raw.data)
     try:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.cli_help import HelpFormatter, description
 from common.grpc_util import bind, make_server, serve_until_signal
+from common.metrics.server import bind_metrics, start_metrics
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
 from common.security import Security
 from common.shutdown import GracefulShutdown
@@ -13,7 +15,7 @@ from common.worker_args import add_worker_args, build_engine, run_worker
 from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
 from prefill_service.shared_pools import SharedPools
-from prefill_service.state_reader import StateReader
+from prefill_service.state_reader import ModelLayers, StateReader
 from prefill_service.server import PrefillServicer
 
 SERVICE_NAME = "flashsplit.v1.Prefill"
@@ -26,18 +28,22 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     # bound before the model loads: a port in use fails at once, not after minutes of loading
     server, health = make_server([*server_security.interceptors(), shutdown.interceptor()])
     address = bind(server, args.host, args.port, server_security.credentials())
+    metrics_server = bind_metrics(args.host, args.metrics_port)
     llm, layout, fingerprint = build_engine(args, prefill=True)
     # before the engine thread starts: the pools move into memory decode workers can open
     shared = SharedPools(llm) if args.handoff_transport != "stream" else None
     engine = PrefillEngine(llm, layout, fingerprint)
     engine.start()
     # the token goes with every handoff: decode workers take handoffs from cluster members only
-    reader = StateReader(*engine.pools, chunk_bytes=args.handoff_chunk_bytes)
+    reader = StateReader(*engine.pools, chunk_bytes=args.handoff_chunk_bytes,
+                         model_layers=ModelLayers(layout.full_attention_layers,
+                                                  layout.gdn_layers))
     sender = HandoffSender(reader, security=security.internal_channel(),
                            transport=args.handoff_transport, shared=shared)
     servicer = PrefillServicer(engine, sender, address, llm.model.config.vocab_size,
                                llm.eos_token_ids)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+    start_metrics(metrics_server, engine.metrics.registry, "flashsplit-prefill")
 
     async def on_stop() -> None:
         await sender.close()
@@ -48,14 +54,21 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                                         args.grace, shutdown=shutdown, engine=engine)
     finally:
         engine.stop()
+        if metrics_server is not None:
+            metrics_server.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashsplit-prefill", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashsplit-prefill", description=description(__doc__),
+                                     formatter_class=HelpFormatter)
     add_worker_args(parser)
     parser.add_argument("--handoff-chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                         help="largest handoff message payload (default: %(default)s)")
-    return run_worker(parser.parse_args(argv), serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(build_parser().parse_args(argv), serve)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ handoff streams it while the next chunk computes. Runs on its own thread; import
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
@@ -15,6 +16,8 @@ from common.engine.llm_engine import LLMEngine
 from common.engine.errors import StepFailed
 from common.engine.loop import EngineLoop, resolve
 from common.handoff.layout import LayoutDescriptor
+from common.logprobs import TokenLogprobs
+from common.metrics.prefill_metrics import PrefillMetrics
 from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,20 +52,45 @@ class StateReady:
     speculative: bool
     first_token: int | None = None
     ready: torch.cuda.Event | None = None
+    # with the first token, when the request asks for log-probabilities
+    first_logprobs: TokenLogprobs | None = None
+    # one event per model layer, recorded as the step's forward ran each (None: only ``ready``)
+    layer_ready: tuple[torch.cuda.Event, ...] | None = None
+    # draft context pages ``[0, draft_pages)`` are final (None: as many as ``num_pages``); the
+    # GDN state of ``slot`` is final (None: once ``final``)
+    draft_pages: int | None = None
+    states_final: bool | None = None
 
     @property
     def final(self) -> bool:
         return self.first_token is not None
 
+    @property
+    def final_draft_pages(self) -> int:
+        return self.num_pages if self.draft_pages is None else self.draft_pages
+
+    @property
+    def final_states(self) -> bool:
+        return self.final if self.states_final is None else self.states_final
+
 
 ReadySink = Callable[[StateReady], None]
 
 
+@dataclass(frozen=True)
+class FirstToken:
+    """What a prefill produces: the token sampled after the prompt, and its log-probabilities
+    when the request asks for them."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
 class PrefillEngine(EngineLoop):
-    """``submit`` returns a future of the request's first token and reports each step's progress
-    to the job's sink as :class:`StateReady` (on the engine thread: the sink must only hand it
-    on). The request keeps its pages and slot until ``release`` (after the decode side
-    acknowledged, or on failure)."""
+    """``submit`` returns a future of the request's :class:`FirstToken` and reports each
+    step's progress to the job's sink as :class:`StateReady` (on the engine thread: the sink
+    must only hand it on). The request keeps its pages and slot until ``release`` (after the
+    decode side acknowledged, or on failure)."""
 
     def __init__(self, engine: LLMEngine, layout: LayoutDescriptor, fingerprint: str) -> None:
         super().__init__("prefill-engine")
@@ -73,12 +101,18 @@ class PrefillEngine(EngineLoop):
         self.fingerprint = fingerprint
         self._jobs: dict[str, tuple[PrefillJob, Future, ReadySink]] = {}
         self._reported: dict[str, int] = {}  # pages already reported per request
-        self.counters = {"prefilled": 0, "prompt_tokens": 0, "aborted": 0}
+        # a sink that raised while a forward was queued: the request ends after that step
+        self._broken: dict[str, Exception] = {}
+        engine.on_extend_queued = self._extend_queued
+        # per request: when it was submitted, and when the first step that ran it began
+        self._submitted: dict[str, float] = {}
+        self._started: dict[str, float] = {}
+        self.metrics = PrefillMetrics(self.load)
 
     # --- called from any thread ---
     def submit(self, job: PrefillJob, sink: ReadySink = lambda ready: None) -> Future:
         result: Future = Future()
-        self.call(self._add, job, result, sink).add_done_callback(
+        self.call(self._add, job, result, sink, time.perf_counter()).add_done_callback(
             lambda f: f.exception() is not None and resolve(result, error=f.exception()))
         return result
 
@@ -101,18 +135,19 @@ class PrefillEngine(EngineLoop):
         return e.kv_pool.kv, e.state_pool.conv, e.state_pool.ssm, draft
 
     # --- engine thread ---
-    def _add(self, job: PrefillJob, result: Future, sink: ReadySink) -> None:
+    def _add(self, job: PrefillJob, result: Future, sink: ReadySink, submitted: float) -> None:
         key = str(job.handoff_id)
         self.engine.add_request(list(job.prompt_ids), job.params, request_id=key,
                                 speculative=job.speculative)
         self._jobs[key] = (job, result, sink)
         self._reported[key] = 0
+        self._submitted[key] = submitted
 
     def _abort(self, key: str) -> bool:
         found = self.engine.abort(key)
         entry = self._finish(key)
         if entry is not None:
-            self.counters["aborted"] += 1
+            self.metrics.prompt_aborted()
             resolve(entry[1], error=PrefillAborted(f"handoff {key} was aborted"))
         return found
 
@@ -120,8 +155,32 @@ class PrefillEngine(EngineLoop):
         # held (prefilled) requests are out of the batch; they only wait for release()
         return self.engine.has_work()
 
+    def _extend_queued(self, reqs, layers) -> None:
+        """An EXTEND forward is queued on the GPU: report what it makes final (KV pages, and
+        on a prompt's last chunk its GDN state) with one event per layer, so the handoff reads
+        each layer as it ends instead of after the step. The draft context and the first token
+        follow from ``step``."""
+        page_size = self.engine.kv_pool.page_size
+        for req in reqs:
+            key = req.request_id
+            entry = self._jobs.get(key)
+            if entry is None or key in self._broken:
+                continue
+            done = req.num_cached >= len(req.prompt_ids)
+            pages = -(-len(req.prompt_ids) // page_size) if done else req.num_cached // page_size
+            if not done and pages == self._reported[key]:
+                continue
+            self._reported[key] = pages
+            try:
+                entry[2](StateReady(tuple(req.page_ids), req.slot, pages, req.speculative,
+                                    layer_ready=layers, draft_pages=0, states_final=done))
+            except Exception as exc:  # noqa: BLE001 - handled after the step, for this one only
+                self._broken[key] = exc
+
     def step(self) -> None:
-        events = {e.request_id: e.token_id for e in self.engine.step()}
+        began = time.perf_counter()
+        events = {e.request_id: e for e in self.engine.step()}
+        ended = time.perf_counter()
         ready = None
         if self.engine.kv_pool.kv.device.type == "cuda":
             ready = torch.cuda.Event()
@@ -133,15 +192,23 @@ class PrefillEngine(EngineLoop):
             if entry is None:
                 continue
             job, result, sink = entry
-            first = events.get(key)
+            started = self._started.get(key)
+            if started is None:  # this step is the prompt's first
+                started = self._started[key] = began
+                self.metrics.prompt_started(began - self._submitted[key])
+            event = events.get(key)
+            first = None if event is None else FirstToken(event.token_id, event.logprobs)
             pages = (-(-len(req.prompt_ids) // page_size) if first is not None
                      else req.num_cached // page_size)
-            if first is None and pages == self._reported[key]:
-                continue  # this chunk completed no page
+            if first is None and pages == self._reported[key] and key not in self._broken:
+                continue  # this chunk completed no page (or its forward reported them)
             self._reported[key] = pages
             try:
+                if key in self._broken:
+                    raise self._broken.pop(key)
                 sink(StateReady(tuple(req.page_ids), req.slot, pages, req.speculative,
-                                first, ready))
+                                event.token_id if event else None, ready,
+                                first_logprobs=event.logprobs if event else None))
             except Exception as exc:  # the sink's owner is gone: end this request only
                 log.exception("handoff %s: reporting progress failed", key)
                 self._finish(key)
@@ -150,14 +217,16 @@ class PrefillEngine(EngineLoop):
                 continue
             if first is not None:
                 self._finish(key)
-                self.counters["prefilled"] += 1
-                self.counters["prompt_tokens"] += len(req.prompt_ids)
+                self.metrics.prompt_done(len(req.prompt_ids), ended - started)
                 if not resolve(result, first):  # its caller went away meanwhile
                     self.engine.release(key)
 
     def _finish(self, key: str) -> tuple[PrefillJob, Future, ReadySink] | None:
         """Stop tracking a request; its entry, if it was tracked."""
         self._reported.pop(key, None)
+        self._broken.pop(key, None)
+        self._submitted.pop(key, None)
+        self._started.pop(key, None)
         return self._jobs.pop(key, None)
 
     def on_step_failed(self, exc: StepFailed) -> None:
@@ -171,3 +240,6 @@ class PrefillEngine(EngineLoop):
             resolve(result, error=RuntimeError(f"prefill engine failed: {exc}"))
         self._jobs.clear()
         self._reported.clear()
+        self._broken.clear()
+        self._submitted.clear()
+        self._started.clear()

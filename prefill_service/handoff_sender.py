@@ -13,6 +13,7 @@ event loop; the loop only writes the encoded messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,8 +22,10 @@ import grpc
 from common import convert
 from common.channels import ChannelSecurity, make_channel
 from common.handoff.parts import HeaderPart, PoolCopyPart, TrailerPart
+from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc
 from prefill_service.engine import StateReady
+from prefill_service.message_feed import feed_from_thread
 from prefill_service.shared_pools import SharedPools
 from prefill_service.state_reader import (PromptShape, StateReader, fold_checksums,
                                           new_ledgers)
@@ -41,10 +44,12 @@ async def _reply(call, expected: str) -> decode_pb2.HandoffReply:
 
 
 async def send_handoff(stub: decode_pb2_grpc.DecodeStub, messages,
-                       timeout_s: float) -> decode_pb2.HandoffAck:
-    """A whole handoff whose messages exist already (a payload in memory: benchmarks, tests):
-    the header, then wait for ``accepted`` (a refusal raises here, before any payload byte is
-    sent), then the rest, then wait for the ``ack``.
+                       timeout_s: float, executor: ThreadPoolExecutor | None = None
+                       ) -> decode_pb2.HandoffAck:
+    """A whole handoff whose messages exist already or are made as they are pulled (a payload
+    in memory: benchmarks, tests): the header, then wait for ``accepted`` (a refusal raises
+    here, before any payload byte is sent), then the rest, then wait for the ``ack``. With an
+    ``executor``, the rest of ``messages`` is pulled on it while the loop writes.
 
     Raises ``grpc.aio.AioRpcError`` with the decode worker's status.
     """
@@ -55,8 +60,13 @@ async def send_handoff(stub: decode_pb2_grpc.DecodeStub, messages,
         raise ValueError("a handoff needs at least a header")
     await call.write(first)
     await _reply(call, "accepted")
-    for message in messages:
-        await call.write(message)
+    if executor is None:
+        for message in messages:
+            await call.write(message)
+    else:
+        async with contextlib.aclosing(feed_from_thread(executor, lambda: messages)) as rest:
+            async for message in rest:
+                await call.write(message)
     await call.done_writing()
     return (await _reply(call, "ack")).ack
 
@@ -78,7 +88,8 @@ class HandoffStream:
         self._executor = executor
         self._prompt = PromptShape(header.prompt_len, header.layout.page_size)
         self._ledgers = new_ledgers(header.manifest)
-        self._pages_sent = 0
+        self._sent = {"kv": 0, "dflash_context": 0}  # pages sent of each paged field
+        self._states_sent = False
         self.pool_copies = False  # the receiver opened our pools (set by open)
         self.bytes_sent = 0
 
@@ -97,24 +108,44 @@ class HandoffStream:
 
     async def send(self, ready: StateReady) -> None:
         """Stream the part of the state ``ready`` says is final and not yet sent (as pool
-        copies when the receiver opened the pools)."""
+        copies when the receiver opened the pools). Chunks are read and encoded on a sender
+        thread and written as each is made."""
         loop = asyncio.get_running_loop()
         if self.pool_copies and not ready.final:
             # a device copy of the whole prompt takes well under a millisecond: one at the end
             # costs less than a round of thread hand-offs per chunk
             return
-        start, self._pages_sent = self._pages_sent, max(self._pages_sent, ready.num_pages)
         if self.pool_copies:
+            start = self._sent["kv"]
+            self._sent["kv"] = max(start, ready.num_pages)
             messages = await loop.run_in_executor(self._executor, self._copies, ready, start)
-        else:
-            messages = await loop.run_in_executor(
-                self._executor, self._reader.pages, ready, start, self._prompt, self._ledgers)
-            if ready.final:
-                messages += await loop.run_in_executor(
-                    self._executor, self._reader.states, ready, self._ledgers)
-        for message in messages:
-            self.bytes_sent += len(message)
-            await self._call.write(message)
+            for message in messages:
+                self.bytes_sent += len(message)
+                await self._call.write(message)
+            return
+        ranges = []  # (field, first page, end page) newly final
+        fields = [("kv", ready.num_pages)]
+        if "dflash_context" in self.header.manifest:
+            fields.append(("dflash_context", ready.final_draft_pages))
+        for name, end in fields:
+            start = self._sent[name]
+            if end > start:
+                ranges.append((name, start, end))
+                self._sent[name] = end
+        states = ready.final_states and not self._states_sent
+        self._states_sent = self._states_sent or states
+
+        def produce():
+            for name, start, end in ranges:
+                yield from self._reader.pages(ready, name, start, end, self._prompt,
+                                              self._ledgers)
+            if states:
+                yield from self._reader.states(ready, self._ledgers)
+
+        async with contextlib.aclosing(feed_from_thread(self._executor, produce)) as messages:
+            async for message in messages:
+                self.bytes_sent += len(message)
+                await self._call.write(message)
 
     def _copies(self, ready: StateReady, start: int) -> list[bytes]:
         """PoolCopy parts for what ``ready`` finished, once the step that wrote it is done on
@@ -132,12 +163,14 @@ class HandoffStream:
                       PoolCopyPart("ssm_state", (ready.slot,))]
         return [convert.handoff_part_to_pb(p).SerializeToString() for p in parts]
 
-    async def finish(self, first_token: int) -> decode_pb2.HandoffAck:
+    async def finish(self, first_token: int,
+                     first_logprobs: TokenLogprobs | None = None) -> decode_pb2.HandoffAck:
         """Write the trailer, close, and wait for decode's ``ack`` (the request is admitted)."""
         # every field went as pool copies, or as bytes with a checksum
         checksums = {} if self.pool_copies else fold_checksums(self.header.manifest,
                                                                self._ledgers)
-        trailer = TrailerPart(checksums=checksums, first_token=first_token)
+        trailer = TrailerPart(checksums=checksums, first_token=first_token,
+                              first_logprobs=first_logprobs)
         await self._call.write(convert.handoff_part_to_pb(trailer).SerializeToString())
         await self._call.done_writing()
         return (await _reply(self._call, "ack")).ack
@@ -148,7 +181,7 @@ class HandoffStream:
             ready: StateReady = await ready_parts.get()
             await self.send(ready)
             if ready.final:
-                return await self.finish(ready.first_token)
+                return await self.finish(ready.first_token, ready.first_logprobs)
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -189,5 +222,6 @@ class HandoffSender:
             await channel.close()
         self._channels.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.reader.close()
         if self.shared is not None:
             self.shared.close()

@@ -15,13 +15,15 @@ import grpc
 from common import convert
 from common.grpc_util import abort_if_engine_stopped
 from common.limits import check_request_id, request_capacity_tokens
+from common.logging_setup import bind_request_id
+from common.metrics.rpc_status import answered_status
 from common.load_report import LoadReport
 from common.sampling import stop_reason
 from common.pb.flashsplit.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
 from common.handoff.layout import dtype_name
 from common.handoff.manifest import REQUIRED_FIELDS, FieldSpec
 from common.handoff.parts import HeaderPart
-from prefill_service.engine import PrefillAborted, PrefillEngine, PrefillJob
+from prefill_service.engine import FirstToken, PrefillAborted, PrefillEngine, PrefillJob
 from prefill_service.handoff_sender import HandoffSender, HandoffTransportError
 
 log = logging.getLogger(__name__)
@@ -36,12 +38,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.address = address
         self.vocab_size = vocab_size
         self._tasks: dict[int, asyncio.Task] = {}
-        self.counters = {"handoffs_sent": 0, "handoffs_failed": 0, "handoff_bytes": 0,
-                         "handoffs_as_pool_copies": 0}
+        self.metrics = engine.metrics
 
+    @answered_status(lambda self, status: self.metrics.answered(status))
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         start = time.perf_counter()
         job = await self._validate(request, context)
+        bind_request_id(job.request_id)
         if job.handoff_id in self._tasks:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"handoff {job.handoff_id} is already being prefilled")
@@ -60,12 +63,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             try:
                 await handoff.open(require_pool_copies=self.sender.transport == "device")
             except HandoffTransportError as exc:
-                self.counters["handoffs_failed"] += 1
+                self.metrics.handoff_failed()
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"handoff to {decode_address}: {exc}")
             except grpc.aio.AioRpcError as exc:
                 # decode refused before anything was computed: pass its own status through
-                self.counters["handoffs_failed"] += 1
+                self.metrics.handoff_failed()
                 await context.abort(exc.code(), f"handoff to {decode_address} failed: "
                                                 f"{exc.details()}")
             opened = time.perf_counter()
@@ -78,7 +81,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if pump.done() and pump.exception() is not None:
                 await self._handoff_failed(pump.exception(), decode_address, context)
             try:
-                first_token = await submitted
+                first = await submitted
             except PrefillAborted as exc:
                 await context.abort(grpc.StatusCode.CANCELLED, str(exc))
             except ValueError as exc:  # e.g. a prompt larger than this worker's pool
@@ -87,27 +90,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.INTERNAL, str(exc))
             prefilled = time.perf_counter()
             timings = dict(queue_s=opened - start, prefill_s=prefilled - opened)
-            finished = stop_reason(first_token, 1, job.params, self.eos_token_ids)
+            finished = stop_reason(first.token_id, 1, job.params, self.eos_token_ids)
             if finished is not None:
                 # nothing left to decode: drop the handoff (decode frees its room), the router
                 # ends the request here
-                return prefill_pb2.PrefillResponse(
-                    handoff_id=job.handoff_id, first_token=first_token,
+                return _with_logprobs(prefill_pb2.PrefillResponse(
+                    handoff_id=job.handoff_id, first_token=first.token_id,
                     prompt_len=len(job.prompt_ids),
                     timings=prefill_pb2.PrefillTimings(**timings),
-                    finish_reason=convert.finish_reason_to_pb(finished))
+                    finish_reason=convert.finish_reason_to_pb(finished)), first)
             try:
                 await pump
             except Exception as exc:  # decode's status, or the stream broke on our side
                 await self._handoff_failed(exc, decode_address, context)
-            self.counters["handoffs_sent"] += 1
-            self.counters["handoffs_as_pool_copies"] += int(handoff.pool_copies)
-            self.counters["handoff_bytes"] += handoff.bytes_sent
-            return prefill_pb2.PrefillResponse(
-                handoff_id=job.handoff_id, first_token=first_token,
+            handoff_s = time.perf_counter() - prefilled
+            self.metrics.handoff_sent(handoff.bytes_sent, handoff_s, handoff.pool_copies)
+            log.info("handoff %016x to %s: %d prompt tokens, %d bytes, acknowledged %.3f s "
+                     "after the first token", job.handoff_id, decode_address,
+                     len(job.prompt_ids), handoff.bytes_sent, handoff_s)
+            return _with_logprobs(prefill_pb2.PrefillResponse(
+                handoff_id=job.handoff_id, first_token=first.token_id,
                 prompt_len=len(job.prompt_ids),
                 timings=prefill_pb2.PrefillTimings(
-                    **timings, handoff_s=time.perf_counter() - prefilled))
+                    **timings, handoff_s=handoff_s)), first)
         finally:
             if pump is not None and not pump.done():
                 pump.cancel()
@@ -118,7 +123,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self.engine.abort(job.handoff_id)
 
     async def _handoff_failed(self, exc: BaseException, decode_address: str, context) -> None:
-        self.counters["handoffs_failed"] += 1
+        self.metrics.handoff_failed()
         if isinstance(exc, grpc.aio.AioRpcError):
             # pass decode's refusal through with its own status; unreachable -> UNAVAILABLE
             await context.abort(exc.code(), f"handoff to {decode_address} failed: "
@@ -180,10 +185,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def GetLoad(self, request, context) -> types_pb2.LoadReport:
         await abort_if_engine_stopped(self.engine, context)
         load = self.engine.load()
-        counters = {**self.engine.counters, **self.counters}
+        counters = self.metrics.load_counters()
         return convert.load_report_to_pb(LoadReport(
             kind="prefill", address=self.address, model_fingerprint=self.engine.fingerprint,
             free_pages=load["free_pages"], total_pages=load["total_pages"],
             free_slots=load["free_slots"], total_slots=load["total_slots"],
             queue_len=load["queue_len"], running=load["running"], counters=counters,
             max_request_tokens=request_capacity_tokens(self.engine.engine)))
+
+
+def _with_logprobs(response: prefill_pb2.PrefillResponse,
+                   first: FirstToken) -> prefill_pb2.PrefillResponse:
+    if first.logprobs is not None:
+        response.first_token_logprobs.CopyFrom(convert.logprobs_to_pb(first.logprobs))
+    return response

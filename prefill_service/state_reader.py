@@ -1,8 +1,9 @@
 """Reads the final parts of a held request's prompt state out of the prefill pools as encoded
 handoff chunks, on a sender thread (never the engine thread).
 
-On a GPU the gather runs on a stream of its own that first waits for the step that wrote the
-state (``StateReady.ready``), and lands in pinned host memory; only this thread waits for it.
+On a GPU the gather runs on a stream of its own that first waits for the layer (or the step) that
+wrote the state (``StateReady.layer_ready``, ``StateReady.ready``), and lands in reused pinned
+host memory; only this thread waits for it.
 Pages and the slot of a held request are not written again until it is released, so reading
 them while the engine runs other requests is safe.
 
@@ -14,11 +15,14 @@ prompt's page count.
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from common.handoff.ledger import LayerLedger
+from common.handoff.host_buffers import HostBuffer, HostBufferPool, HostBufferPoolConfig
+from common.handoff.ledger import LayerLedger, message_payload_crc
 from common.handoff.manifest import FieldSpec
 from common.handoff.chunk_codec import encode_chunk
 from prefill_service.engine import StateReady
@@ -38,71 +42,197 @@ class PromptShape:
 
 class StateReader:
     """Encodes pool contents as chunks of at most ``chunk_bytes``, recording each in the
-    caller's checksum ledgers (``fold_checksums`` turns them into the trailer's CRCs)."""
+    caller's checksum ledgers (``fold_checksums`` turns them into the trailer's CRCs).
+
+    The state is read a piece at a time (one layer, or a run of its pages of at most
+    ``piece_bytes``): on a GPU each piece is copied on the reader's stream into a buffer of
+    ``host_buffers`` (pinned, reused) while the piece before it is encoded, and each waits only
+    for the layer that wrote it when the step reports per-layer events (``StateReady.layer_ready``).
+    """
 
     def __init__(self, kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-                 draft_kv: torch.Tensor | None, chunk_bytes: int) -> None:
+                 draft_kv: torch.Tensor | None, chunk_bytes: int, *,
+                 piece_bytes: int = 16 << 20, host_buffers: HostBufferPool | None = None,
+                 model_layers: ModelLayers | None = None) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        if piece_bytes < 1:
+            raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes}")
         self._kv, self._conv, self._ssm, self._draft_kv = kv, conv, ssm, draft_kv
         self.chunk_bytes = chunk_bytes
-        self._stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
+        self.piece_bytes = piece_bytes
+        self.model_layers = model_layers
+        on_gpu = kv.device.type == "cuda"
+        self._stream = torch.cuda.Stream(kv.device) if on_gpu else None
+        if on_gpu and host_buffers is None:
+            # two pieces in flight per reader thread, and two reader threads
+            host_buffers = HostBufferPool(HostBufferPoolConfig(4 * piece_bytes, pin_memory=True))
+        self.host_buffers = host_buffers if on_gpu else None
 
-    def pages(self, ready: StateReady, start: int, prompt: PromptShape,
-              ledgers: dict[tuple[str, int], LayerLedger]) -> list[bytes]:
-        """Chunks of KV (and draft context) pages ``[start, ready.num_pages)``."""
-        if ready.num_pages <= start:
-            return []
-        ids = list(ready.page_ids[start:ready.num_pages])
-        pools = [("kv", self._kv)]
-        if ready.speculative and self._draft_kv is not None:
-            pools.append(("dflash_context", self._draft_kv))
-        last = ready.num_pages == prompt.num_pages
+    @property
+    def has_draft_context(self) -> bool:
+        return self._draft_kv is not None
+
+    def pages(self, ready: StateReady, name: str, start: int, end: int, prompt: PromptShape,
+              ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
+        """Chunks of pages ``[start, end)`` of ``name`` (``kv`` or ``dflash_context``)."""
+        if end <= start:
+            return
+        ids = list(ready.page_ids[start:end])
+        pool = self._kv if name == "kv" else self._draft_kv
+        last = end == prompt.num_pages
         tail = prompt.num_pages * prompt.page_size - prompt.prompt_len if last else 0
-        out = []
-        for name, pool in pools:
-            host = self._to_host(lambda: _gather(pool, ids, tail), ready)
-            page_bytes = host[0, 0, 0].numel() * host.element_size()
-            flat = host.view(host.shape[0], 2, -1).view(torch.uint8).numpy()
-            for layer in range(host.shape[0]):
-                for half in (0, 1):
-                    offset = (half * prompt.num_pages + start) * page_bytes
-                    out += encode_layer(name, layer, offset, memoryview(flat[layer, half]),
-                                        ledgers, self.chunk_bytes)
-        return out
+        pieces = []
+        if pool is not None:
+            page_bytes = pool[0, 0, 0].numel() * pool.element_size()
+            per_piece = max(1, self.piece_bytes // (2 * page_bytes))
+            for layer in range(pool.shape[0]):
+                event = self._layer_event(ready, name, layer)
+                for a in range(0, len(ids), per_piece):
+                    piece_ids = ids[a:a + per_piece]
+                    piece_tail = tail if a + len(piece_ids) == len(ids) else 0
+                    pieces.append(_Piece(
+                        name, layer, event, (start + a, page_bytes),
+                        lambda pool=pool, layer=layer, piece_ids=piece_ids, t=piece_tail:
+                            _gather(pool, layer, piece_ids, t)))
+        for piece, host in self._to_host(pieces, ready):
+            first, page_bytes = piece.where
+            halves = host.reshape(2, -1)
+            for half in (0, 1):
+                offset = (half * prompt.num_pages + first) * page_bytes
+                yield from encode_layer(piece.field, piece.layer, offset,
+                                        memoryview(halves[half]), ledgers, self.chunk_bytes)
 
     def states(self, ready: StateReady,
-               ledgers: dict[tuple[str, int], LayerLedger]) -> list[bytes]:
+               ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
         """Chunks of the request's final GDN conv and recurrent state."""
-        out = []
-        for name, pool in (("conv_state", self._conv), ("ssm_state", self._ssm)):
-            host = self._to_host(lambda: pool[:, ready.slot].contiguous(), ready)
-            flat = host.view(host.shape[0], -1).view(torch.uint8).numpy()
-            for layer in range(host.shape[0]):
-                out += encode_layer(name, layer, 0, memoryview(flat[layer]), ledgers,
-                                    self.chunk_bytes)
-        return out
+        pieces = [_Piece(name, layer, self._layer_event(ready, name, layer), 0,
+                         lambda pool=pool, layer=layer: pool[layer, ready.slot])
+                  for name, pool in (("conv_state", self._conv), ("ssm_state", self._ssm))
+                  for layer in range(pool.shape[0])]
+        for piece, host in self._to_host(pieces, ready):
+            yield from encode_layer(piece.field, piece.layer, 0, memoryview(host.reshape(-1)),
+                                    ledgers, self.chunk_bytes)
 
-    def _to_host(self, gather, ready: StateReady) -> torch.Tensor:
+    def _layer_event(self, ready: StateReady, field: str, layer: int):
+        """What a read of ``layer`` of ``field`` waits for: the event after the model layer
+        that wrote it, when the step recorded them, else the end of the step."""
+        if ready.layer_ready is None or self.model_layers is None:
+            return ready.ready
+        index = self.model_layers.model_layer(field, layer)
+        return ready.ready if index is None else ready.layer_ready[index]
+
+    def _to_host(self, pieces: list[_Piece], ready: StateReady):
+        """``(piece, uint8 ndarray of its bytes)`` in order. On a GPU the copy of the next
+        piece runs while the caller encodes this one; a buffer goes back to the pool once the
+        caller has encoded it (the chunks are copies)."""
         if self._stream is None:
-            return gather()
+            for piece in pieces:
+                yield piece, _host_bytes(piece.gather().contiguous())
+            return
+        in_flight: collections.deque = collections.deque()
+        current = None
+        try:
+            for i, piece in enumerate(pieces):
+                in_flight.append(self._start_copy(piece))
+                if len(in_flight) < 2 and i + 1 < len(pieces):
+                    continue  # keep one copy running ahead of the one being encoded
+                current = in_flight.popleft()
+                yield self._finish_copy(current)
+                current.release()
+                current = None
+            while in_flight:
+                current = in_flight.popleft()
+                yield self._finish_copy(current)
+                current.release()
+                current = None
+        finally:  # the caller stopped early: let the copies land, then give the buffers back
+            for copy in ([current] if current is not None else []) + list(in_flight):
+                copy.done.synchronize()
+                copy.release()
+
+    def _start_copy(self, piece: _Piece) -> _Copy:
         with torch.cuda.stream(self._stream):
-            if ready.ready is not None:
-                self._stream.wait_event(ready.ready)
-            device = gather()
-            host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
-            host.copy_(device, non_blocking=True)
-        self._stream.synchronize()
-        return host
+            if piece.event is not None:
+                self._stream.wait_event(piece.event)
+            device = piece.gather().contiguous()
+            nbytes = device.numel() * device.element_size()
+            # never waits: when the pool is short (another reader holds it), torch's caching
+            # pinned allocator serves instead
+            buffer = (self.host_buffers.try_acquire(nbytes)
+                      if nbytes <= self.host_buffers.capacity_bytes else None)
+            host = (buffer.tensor if buffer is not None
+                    else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+            host.copy_(device.reshape(-1).view(torch.uint8), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return _Copy(piece, device, host, buffer, done)
+
+    @staticmethod
+    def _finish_copy(copy: _Copy):
+        copy.done.synchronize()
+        try:
+            return copy.piece, copy.host.numpy()
+        finally:
+            copy.device = None  # the copy is done: the device memory may be reused
+
+    def close(self) -> None:
+        if self.host_buffers is not None:
+            self.host_buffers.close()
 
 
-def _gather(pool: torch.Tensor, page_ids: list[int], tail: int) -> torch.Tensor:
-    """Pages ``page_ids`` of ``[L, pool_pages, 2, page, ...]`` as ``[L, 2, n, page, ...]``; the
-    last ``tail`` token rows of the last page (stale bytes of an earlier owner) zeroed."""
+@dataclass(frozen=True)
+class ModelLayers:
+    """Which model layer writes layer ``i`` of a handoff field: the ``i``-th full-attention
+    layer for ``kv``, the ``i``-th GDN layer for ``conv_state`` and ``ssm_state``; None for
+    ``dflash_context``, which the draft writes after the whole forward."""
+
+    full_attention: tuple[int, ...]
+    gdn: tuple[int, ...]
+
+    def model_layer(self, field: str, layer: int) -> int | None:
+        if field == "kv":
+            return self.full_attention[layer]
+        if field in ("conv_state", "ssm_state"):
+            return self.gdn[layer]
+        return None
+
+
+@dataclass
+class _Piece:
+    field: str
+    layer: int
+    event: object  # torch.cuda.Event or None
+    where: object
+    gather: Callable[[], torch.Tensor]
+
+
+@dataclass
+class _Copy:
+    piece: _Piece
+    device: torch.Tensor | None
+    host: torch.Tensor
+    buffer: HostBuffer | None
+    done: torch.cuda.Event
+
+    def release(self) -> None:
+        if self.buffer is not None:
+            self.buffer.release()
+            self.buffer = None
+
+
+def _host_bytes(tensor: torch.Tensor):
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _gather(pool: torch.Tensor, layer: int, page_ids: list[int], tail: int) -> torch.Tensor:
+    """Pages ``page_ids`` of one layer of ``[L, pool_pages, 2, page, ...]`` as
+    ``[2, n, page, ...]``; the last ``tail`` token rows of the last page (stale bytes of an
+    earlier owner) zeroed."""
     index = torch.tensor(page_ids, device=pool.device)
-    out = pool[:, index].transpose(1, 2).contiguous()
+    out = pool[layer, index].transpose(0, 1).contiguous()
     if tail:
-        out[:, :, -1, out.shape[3] - tail:] = 0
+        out[:, -1, out.shape[2] - tail:] = 0
     return out
 
 
@@ -125,13 +255,14 @@ def fold_checksums(manifest: dict[str, FieldSpec],
 
 
 def encode_layer(name: str, layer: int, offset: int, data: memoryview,
-                 ledgers: dict[tuple[str, int], LayerLedger], chunk_bytes: int) -> list[bytes]:
+                 ledgers: dict[tuple[str, int], LayerLedger], chunk_bytes: int) -> Iterator[bytes]:
     """``data`` (bytes ``offset..`` of one layer of ``name``) as encoded chunks of at most
-    ``chunk_bytes``, each recorded in its layer's checksum ledger."""
+    ``chunk_bytes``, each recorded in its layer's checksum ledger. Both the copy into the
+    message and its CRC-32C run with the GIL released (``message_payload_crc``)."""
     ledger = ledgers[(name, layer)]
-    out = []
     for start in range(0, len(data), chunk_bytes):
         piece = data[start:start + chunk_bytes]
-        ledger.add(offset + start, piece, f"{name} layer {layer}")
-        out.append(encode_chunk(name, layer, offset + start, piece))
-    return out
+        message = encode_chunk(name, layer, offset + start, piece)
+        ledger.claim(offset + start, len(piece), f"{name} layer {layer}")
+        ledger.record(offset + start, message_payload_crc(message, len(message) - len(piece)))
+        yield message

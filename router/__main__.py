@@ -1,7 +1,8 @@
 """``flashsplit-router``: the public gRPC front of a set of prefill and decode workers.
 
 Prints ``flashsplit-router listening on HOST:PORT`` once it serves (after ``flashsplit-router
-serves OpenAI HTTP on http://HOST:PORT`` with ``--http-port``), and stops cleanly (health
+serves OpenAI HTTP on http://HOST:PORT`` with ``--http-port``, and ``flashsplit-router metrics
+on HOST:PORT`` with ``--metrics-port``), and stops cleanly (health
 NOT_SERVING, running requests given a grace period) on SIGTERM or SIGINT.
 """
 
@@ -15,10 +16,14 @@ import signal
 import sys
 from collections.abc import Mapping
 
+from common.cli_help import HelpFormatter, description
 from common.lifecycle import die_with_parent_if_asked
+from common.logging_setup import add_log_format_arg, configure_logging
+from common.metrics.server import add_metrics_port_arg, check_metrics_port
 from common.security import (add_api_key_args, add_security_args, api_key_from,
                              security_from_args)
 from router.client import ClientConfig
+from router.discovery import DiscoveryConfig, parse_targets
 from router.dispatch import DispatchConfig
 from router.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_PROMPT_BYTES, RequestLimits
 from router.openai_api.config import HttpConfig
@@ -27,15 +32,22 @@ from router.server import Router, RouterConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flashsplit-router", description=__doc__.split("\n")[0])
-    p.add_argument("--host", default="127.0.0.1")
+    p = argparse.ArgumentParser(prog="flashsplit-router", description=description(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="0 = any free port")
     p.add_argument("--model", default="tiny",
                    help="checkpoint directory or 'tiny'; the router needs its tokenizer and config")
     p.add_argument("--prefill", action="append", default=[], metavar="ADDR",
-                   help="host:port of a prefill worker (repeatable)")
+                   help="host:port of a prefill worker, or dns:///NAME:PORT for every address "
+                        "NAME resolves to, resolved again every --discovery-interval "
+                        "(repeatable)")
     p.add_argument("--decode", action="append", default=[], metavar="ADDR",
-                   help="host:port of a decode worker (repeatable)")
+                   help="host:port of a decode worker, or dns:///NAME:PORT (repeatable)")
+    p.add_argument("--discovery-interval", type=float, default=DiscoveryConfig.interval_s,
+                   metavar="S",
+                   help="seconds between resolutions of the dns:/// workers, which adds and "
+                        "removes workers as the names' addresses change (default: %(default)s)")
     p.add_argument("--poll-interval", type=float, default=RegistryConfig.poll_interval_s,
                    help="seconds between load polls of each worker")
     p.add_argument("--max-attempts", type=int, default=DispatchConfig.max_attempts,
@@ -64,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0 = any free port; default: no HTTP API)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name HTTP clients send and see (default: --model)")
-    p.add_argument("--log-level", default="INFO")
+    # the HTTP API serves /metrics too; this is for a router without one, or a port apart
+    add_metrics_port_arg(p)
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_log_format_arg(p)
     return p
 
 
@@ -73,12 +88,15 @@ def config_from_args(args: argparse.Namespace,
     """The router's settings; ValueError (or SystemExit) on a caller's mistake."""
     if not args.prefill or not args.decode:
         raise SystemExit("error: give at least one --prefill and one --decode address")
+    parse_targets(args.prefill, args.decode)  # a malformed address fails before anything starts
     security = security_from_args(args, environ)
+    check_metrics_port(args.metrics_port, args.tls_cert)
     return RouterConfig(
         model=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
         host=args.host, port=args.port,
         registry=RegistryConfig(poll_interval_s=args.poll_interval,
                                 backoff_max_s=args.worker_backoff_max),
+        discovery=DiscoveryConfig(interval_s=args.discovery_interval),
         clients=ClientConfig(), dispatch=DispatchConfig(
             max_attempts=args.max_attempts, max_queue_wait_s=args.max_queue_wait,
             max_queued=args.max_queued),
@@ -89,7 +107,8 @@ def config_from_args(args: argparse.Namespace,
             host=args.host, port=args.http_port, served_model_name=args.served_model_name),
         limits=RequestLimits(max_prompt_tokens=args.max_prompt_tokens,
                              max_prompt_bytes=args.max_prompt_bytes,
-                             max_message_bytes=args.max_message_bytes))
+                             max_message_bytes=args.max_message_bytes),
+        metrics_port=args.metrics_port)
 
 
 async def serve(config: RouterConfig) -> None:
@@ -103,6 +122,8 @@ async def serve(config: RouterConfig) -> None:
         # before the ready line, so whoever waits for that one knows both addresses
         print(f"flashsplit-router serves OpenAI HTTP on http://{router.http_address}",
               flush=True)
+    if router.metrics_address is not None:
+        print(f"flashsplit-router metrics on {router.metrics_address}", flush=True)
     print(f"flashsplit-router listening on {address}", flush=True)
     try:
         await stop.wait()
@@ -114,8 +135,7 @@ async def serve(config: RouterConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     die_with_parent_if_asked()
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
         asyncio.run(serve(config))

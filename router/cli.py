@@ -9,27 +9,52 @@ import os
 import sys
 import time
 
+from common.cli_help import HelpFormatter
+from common.logging_setup import EchoWriter, add_log_format_arg
+from common.model.registry import DEFAULT_MODEL
 from common.sampling import SamplingParams
 from common.security import add_client_args, client_channel_from
 
+_DESCRIPTION = ("flashsplit serves hybrid Gated-DeltaNet models (Qwen3.5, Qwen3-Next) with "
+                "prefill and decode as separate gRPC services behind a router. "
+                "'flashsplit COMMAND --help' lists a command's flags.")
+
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16,
+                   help="most tokens to generate, the first included")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="keep the most likely tokens up to this total probability (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this times the most likely one's probability "
+                        "(0 = off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the request's random stream (default: a random one)")
     p.add_argument("--stop-token-ids", type=str, default="",
                    help="comma-separated ids that end generation")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-sequence tokens")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="report each token's log-probability and those of the N most likely "
+                        "tokens at its position (0 to 20; printed with --json)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens,
-        stop_token_ids=tuple(parse_ids(args.stop_token_ids)), ignore_eos=args.ignore_eos)
+        stop_token_ids=tuple(parse_ids(args.stop_token_ids)), ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs)
+
+
+def logprobs_json(params: SamplingParams, logprobs) -> dict:
+    """``{"logprobs": [{"logprob", "top": [[id, logprob], ...]}, ...]}`` when asked for."""
+    if params.logprobs is None:
+        return {}
+    return {"logprobs": [{"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                         for lp in logprobs]}
 
 
 def parse_ids(text: str) -> list[int]:
@@ -42,8 +67,10 @@ def parse_ids(text: str) -> list[int]:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from common.worker_args import add_kernel_args
 
-    p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (built in)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="checkpoint directory, or a built-in name: 'tiny' (random weights) or "
+                        "'pycoder' (trained; common/model/registry.py)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the config's)")
     add_kernel_args(p)
 
@@ -55,14 +82,19 @@ _WORKER_FLAGS = ("--dtype", "--page-size", "--num-pages", "--num-slots", "--max-
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashsplit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="flashsplit", description=_DESCRIPTION,
+                                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands")
 
     gen = sub.add_parser("generate", help="generate from one prompt, in this process or "
-                                           "through a router (--router)")
+                                           "through a router (--router)",
+                         description="Generate from one prompt: in this process (the model "
+                                     "loads here), or through a running router with --router.",
+                         formatter_class=HelpFormatter)
     add_model_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", type=str)
+    src.add_argument("--prompt", type=str, help="the prompt text")
     src.add_argument("--prompt-ids", type=str, help="comma-separated token ids")
     add_sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
@@ -74,30 +106,45 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=600.0,
                      help="seconds the whole call may take (with --router)")
     gen.add_argument("--draft", default=None,
-                     help="DFLASH draft for in-process generation: 'tiny' or a checkpoint dir")
+                     help="DFLASH draft for in-process generation: 'tiny' or a checkpoint dir "
+                          "(through a router the draft is the decode workers': up --draft)")
     gen.add_argument("--block-size", type=int, default=None,
-                     help="tokens per DFLASH step (default: the draft's)")
+                     help="tokens per DFLASH step, in process (default: the draft's)")
     gen.add_argument("--speculative", choices=("auto", "on", "off"), default="auto",
                      help="speculative decoding for this request (auto: when a draft is there)")
     add_client_args(gen.add_argument_group("with --router: the router port's API key and TLS"))
 
-    up = sub.add_parser("up", help="start prefill and decode workers and a router on this host")
-    up.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (built in)")
-    up.add_argument("--host", default="127.0.0.1")
+    up = sub.add_parser("up", help="start prefill and decode workers and a router on this host",
+                        description="Start prefill and decode workers and a router as "
+                                    "processes on this host; restart workers that exit; stop "
+                                    "them all on SIGINT/SIGTERM.",
+                        formatter_class=HelpFormatter)
+    up.add_argument("--model", default=DEFAULT_MODEL,
+                    help="checkpoint directory, or a built-in name: 'tiny' (random weights) or "
+                         "'pycoder' (trained; common/model/registry.py)")
+    up.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     up.add_argument("--port", type=int, default=0, help="the router's port; 0 = any free port")
     up.add_argument("--http-port", type=int, default=None, metavar="PORT",
                     help="the router also serves the OpenAI-compatible HTTP API on this port "
                          "(0 = any free port; default: no HTTP API)")
-    up.add_argument("--prefill-workers", type=int, default=1)
-    up.add_argument("--decode-workers", type=int, default=1)
+    up.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes")
+    up.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
     up.add_argument("--device", default=None,
                     help="device of every worker, or a comma-separated list given to the "
                          "workers in order, prefill first (e.g. cuda:0,cuda:1)")
+    worker_help = _worker_flag_help()
     for flag in _WORKER_FLAGS:
-        up.add_argument(flag, default=None, help="passed to every worker")
-    up.add_argument("--disable-cuda-graph", action="store_true", help="passed to every worker")
+        up.add_argument(flag, default=None, help=f"every worker's: {worker_help[flag]}")
+    up.add_argument("--mem-fraction", type=float, default=None, metavar="F",
+                    help="size every worker's pools by memory: the workers that share a device "
+                         "split F of its total memory evenly (one prefill and one decode "
+                         "worker on one GPU: F/2 each; on the CPU, every worker shares the "
+                         "host's); default: fixed --num-pages and --num-slots "
+                         "(docs/operations.md)")
+    up.add_argument("--disable-cuda-graph", action="store_true",
+                    help=f"every worker's: {worker_help['--disable-cuda-graph']}")
     up.add_argument("--disable-overlap-schedule", action="store_true",
-                    help="passed to every worker")
+                    help=f"every worker's: {worker_help['--disable-overlap-schedule']}")
     up.add_argument("--start-timeout", type=float, default=600.0,
                     help="seconds each process may take to become ready")
     up.add_argument("--grace", type=float, default=5.0,
@@ -106,18 +153,38 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-prompt-tokens", type=int, default=None,
                     help="passed to the router (default: what the workers' pools hold)")
     up.add_argument("--quiet", action="store_true", help="do not echo the processes' logs")
+    add_log_format_arg(up)  # every process's, and the echo of them all
     # Modules that serve the workers; tests point them at fakes that speak the same protocol.
     up.add_argument("--prefill-module", default="prefill_service", help=argparse.SUPPRESS)
     up.add_argument("--decode-module", default="decode_service", help=argparse.SUPPRESS)
 
-    demo = sub.add_parser("demo", help="generate a few prompts on the built-in model")
+    demo = sub.add_parser("demo", help="generate a few prompts on the built-in model",
+                          description="Start a local cluster, send it a few prompts, print "
+                                      "their text and latencies.",
+                          formatter_class=HelpFormatter)
     add_model_args(demo)
-    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument("--max-new-tokens", type=int, default=24,
+                      help="tokens to generate per prompt")
 
     from router.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from common.training.draft_cli import add_train_draft_parser
+
+    add_train_draft_parser(sub)
     return parser
+
+
+def _worker_flag_help() -> dict[str, str]:
+    """Each worker flag's help text, defaults filled in, for ``up``'s copies of them."""
+    from common.worker_args import add_worker_args
+
+    worker = argparse.ArgumentParser(add_help=False, formatter_class=HelpFormatter)
+    add_worker_args(worker)
+    formatter = worker._get_formatter()
+    return {flag: formatter._expand_help(action).replace("%", "%%")
+            for action in worker._actions for flag in action.option_strings}
 
 
 def speculative_choice(args: argparse.Namespace) -> bool | None:
@@ -134,7 +201,7 @@ def run_local(args: argparse.Namespace, prompts: list[list[int]],
     from common.worker_args import dtype_from_args, kernels_from_args
 
     model = load_model(args.model, dtype=dtype_from_args(args), device=args.device,
-                       kernels=kernels_from_args(args))
+                       kernels=kernels_from_args(args), progress=True)  # a bar on terminals
     draft = load_draft(args.draft, model) if args.draft else None
     if speculative_choice(args) and draft is None:
         raise ValueError("--speculative on needs --draft")
@@ -155,6 +222,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = sampling_from_args(args)
     if args.router is not None:
+        for flag in ("draft", "block_size"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} is for in-process generation: "
+                                 "through a router, the draft is the decode workers' (start "
+                                 "them with --draft, e.g. flashsplit up --draft tiny)")
         return generate_remote(args, params)
     if args.stop:
         raise ValueError("--stop is matched by the router: use it with --router")
@@ -166,7 +238,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"token_ids": req.output_ids, "text": text,
                           "prompt_tokens": len(prompt), "finish_reason": req.finish_reason,
-                          "seconds": round(seconds, 6), "accept_lengths": req.accept_lengths}))
+                          "seconds": round(seconds, 6), "accept_lengths": req.accept_lengths,
+                          **logprobs_json(params, req.logprobs)}))
     else:
         print(text)
     return 0
@@ -206,7 +279,8 @@ def generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
                           "seconds": round(out.seconds, 6),
                           "time_to_first_token_s": out.time_to_first_token_s,
                           "inter_token_latencies_s": out.inter_token_latencies_s,
-                          "accept_lengths": out.accept_lengths}))
+                          "accept_lengths": out.accept_lengths,
+                          **logprobs_json(params, out.logprobs)}))
     else:
         print()
     return 0
@@ -229,10 +303,12 @@ def cluster_config_from_args(args: argparse.Namespace):
     return ClusterConfig(model=args.model, host=args.host, router_port=args.port,
                          num_prefill=args.prefill_workers, num_decode=args.decode_workers,
                          worker_args=tuple(worker_args), devices=devices,
+                         mem_fraction=args.mem_fraction,
                          router_args=router_args, grace_s=args.grace,
                          start_timeout_s=args.start_timeout, echo_logs=not args.quiet,
                          prefill_module=args.prefill_module, decode_module=args.decode_module,
-                         router_http_port=args.http_port)
+                         router_http_port=args.http_port, metrics=True,
+                         log_format=args.log_format)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -260,10 +336,14 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"OpenAI-compatible HTTP API on {cluster.http_url}/v1", flush=True)
         for w in cluster.workers:
             print(f"{w.name} on {w.address} (pid {w.pid})", flush=True)
+        for p in [cluster.router, *cluster.workers]:
+            if p.metrics_url:
+                print(f"{p.name} metrics on {p.metrics_url}", flush=True)
         # a worker drains for its grace before it exits: not a hang
         watch = SupervisorConfig(not_serving_after_s=max(SupervisorConfig.not_serving_after_s,
                                                          args.grace + 5.0))
-        return asyncio.run(Supervisor(cluster, watch).run(stop))
+        out = EchoWriter(sys.stderr, "up", args.log_format)
+        return asyncio.run(Supervisor(cluster, watch, out=out).run(stop))
     finally:
         cluster.stop()
 
@@ -281,10 +361,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from common.training.draft_cli import cmd_train_draft as run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo,
-               "bench": cmd_bench}[args.command]
+               "bench": cmd_bench, "train-draft": cmd_train_draft}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as exc:

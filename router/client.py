@@ -16,8 +16,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.channels import ChannelSecurity, make_channel
-from common.convert import finish_reason_from_pb, load_report_from_pb, sampling_to_pb
+from common.convert import (finish_reason_from_pb, load_report_from_pb, logprobs_from_pb,
+                            sampling_to_pb)
 from common.load_report import LoadReport
+from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import (decode_pb2, decode_pb2_grpc, prefill_pb2,
                                      prefill_pb2_grpc, types_pb2)
 from common.sampling import SamplingParams
@@ -71,16 +73,19 @@ class PrefillResult:
     prefill_s: float = 0.0
     handoff_s: float = 0.0
     finish_reason: str | None = None
+    first_logprobs: TokenLogprobs | None = None  # when the request asks for log-probabilities
 
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """One decode stream event: new tokens, and the finish reason on the last one."""
+    """One decode stream event: new tokens, and the finish reason on the last one; one
+    ``logprobs`` entry per token when the request asks for them."""
 
     token_ids: tuple[int, ...]
     accept_lengths: tuple[int, ...] = ()
     finish_reason: str | None = None
     error: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 def _finish_reason(value: int) -> str | None:
@@ -119,10 +124,19 @@ class DecodeStream:
             raise _error(exc, self.address, "Decode.Stream") from None
         if msg is grpc.aio.EOF:
             return None
+        if msg.logprobs and len(msg.logprobs) != len(msg.token_ids):
+            raise WorkerCallError(self.address, "Decode.Stream", grpc.StatusCode.INTERNAL,
+                                  f"{len(msg.logprobs)} log-probabilities for "
+                                  f"{len(msg.token_ids)} tokens")
+        try:
+            logprobs = tuple(logprobs_from_pb(lp) for lp in msg.logprobs)
+        except ValueError as exc:
+            raise WorkerCallError(self.address, "Decode.Stream", grpc.StatusCode.INTERNAL,
+                                  str(exc)) from None
         return TokenBatch(token_ids=tuple(msg.token_ids),
                           accept_lengths=tuple(msg.accept_lengths),
                           finish_reason=_finish_reason(msg.finish_reason),
-                          error=msg.error)
+                          error=msg.error, logprobs=logprobs)
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -190,9 +204,16 @@ class WorkerClients:
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, address, "Prefill.Prefill") from None
         t = resp.timings
+        try:
+            first_logprobs = (logprobs_from_pb(resp.first_token_logprobs)
+                              if resp.HasField("first_token_logprobs") else None)
+        except ValueError as exc:
+            raise WorkerCallError(address, "Prefill.Prefill", grpc.StatusCode.INTERNAL,
+                                  str(exc)) from None
         return PrefillResult(first_token=resp.first_token, prompt_len=resp.prompt_len,
                              queue_s=t.queue_s, prefill_s=t.prefill_s, handoff_s=t.handoff_s,
-                             finish_reason=_finish_reason(resp.finish_reason))
+                             finish_reason=_finish_reason(resp.finish_reason),
+                             first_logprobs=first_logprobs)
 
     def open_stream(self, address: str, handoff_id: int,
                     deadline_s: float | None = None) -> DecodeStream:
@@ -213,6 +234,12 @@ class WorkerClients:
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, address, f"{kind}.Abort") from None
         return resp.found
+
+    async def forget(self, address: str) -> None:
+        """Close the channel to a worker the router no longer uses (nothing runs on it)."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

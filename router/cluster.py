@@ -2,7 +2,8 @@
 
 ``with Cluster(ClusterConfig(...)) as c:`` returns once the router serves; ``c.router_address`` is
 where to send requests and ``c.workers`` lists the worker processes (tests kill them to inject
-faults). Every process announces readiness with one stdout line ``<prog> listening on HOST:PORT``;
+faults). Every process announces readiness with one stdout line ``<prog> listening on HOST:PORT``
+(after ``<prog> metrics on HOST:PORT`` when it serves metrics on a port of its own);
 its stderr is kept (the last lines) so that a process that dies during start-up can be reported
 with its own error. On exit the router is stopped first, so that no request is sent to a worker
 that is already going away, then the workers: SIGTERM, a grace period, then SIGKILL.
@@ -26,11 +27,15 @@ from common.auth import new_secret
 from common.channels import ChannelSecurity, make_channel
 from common.grpc_util import bind_problem
 from common.lifecycle import PARENT_PID_ENV
+from common.logging_setup import echo_line
 from common.security import TOKEN_ENV, TOKEN_FILE_ENV
+from router.memory_shares import memory_shares
 
 _LISTENING = re.compile(r"^(\S+) listening on (\S+:\d+)\s*$")
 # the router's HTTP API (--http-port), announced before its ready line
 _HTTP_LISTENING = re.compile(r"^\S+ serves OpenAI HTTP on http://(\S+:\d+)\s*$")
+# a process's Prometheus endpoint (--metrics-port), announced before its ready line
+_METRICS_LISTENING = re.compile(r"^\S+ metrics on (\S+:\d+)\s*$")
 # The directory holding the router package, so children import this checkout's code.
 _SOURCE_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -57,6 +62,8 @@ class ClusterConfig:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
+    # --mem-fraction of each device, split evenly between the workers on it (memory_shares)
+    mem_fraction: float | None = None
     router_args: tuple[str, ...] = ()
     # the router's OpenAI-compatible HTTP API: None = not served, 0 = any free port
     router_http_port: int | None = None
@@ -73,6 +80,11 @@ class ClusterConfig:
     # (router/supervisor.py) is back in rotation within seconds
     worker_backoff_max_s: float = 2.0
     echo_logs: bool = False
+    # every process serves Prometheus metrics on a free port (--metrics-port 0); the router
+    # only when it has no HTTP API, whose /metrics serves them
+    metrics: bool = False
+    # --log-format of every process (None: their default); echoed logs keep to it
+    log_format: str | None = None
     stderr_tail_lines: int = 40
     # the internal token every process gets; None: a new random one for each Cluster
     internal_token: str | None = field(default=None, repr=False)
@@ -91,6 +103,7 @@ class ManagedProcess:
     popen: subprocess.Popen
     address: str = ""
     http_address: str = ""  # the router's HTTP API, when it serves one
+    metrics_address: str = ""  # its Prometheus endpoint, when on a port of its own
     args: tuple[str, ...] = ()  # what it was started with, after the interpreter
     _ready: threading.Event = field(default_factory=threading.Event, repr=False)
     _stderr: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200),
@@ -107,11 +120,19 @@ class ManagedProcess:
         """Whether it has printed its ready line."""
         return self._ready.is_set()
 
+    @property
+    def metrics_url(self) -> str:
+        """Where its Prometheus metrics are scraped ("" where it serves none): its metrics
+        port, else the router's HTTP API."""
+        address = self.metrics_address or self.http_address
+        return f"http://{address}/metrics" if address else ""
+
     def stderr_tail(self, lines: int = 40) -> str:
         return "\n".join(list(self._stderr)[-lines:])
 
 
-def _pump(stream: TextIO, proc: ManagedProcess, is_stdout: bool, echo: bool) -> None:
+def _pump(stream: TextIO, proc: ManagedProcess, is_stdout: bool, echo: bool,
+          log_format: str = "text") -> None:
     """Read a child's output until it closes; spot the ready line, keep the stderr tail.
 
     NOTE: both pipes must be drained for the child's whole life, or it blocks once a pipe
@@ -124,6 +145,10 @@ def _pump(stream: TextIO, proc: ManagedProcess, is_stdout: bool, echo: bool) -> 
             if m:
                 proc.http_address = m.group(1)
                 continue
+            m = _METRICS_LISTENING.match(line)
+            if m:
+                proc.metrics_address = m.group(1)
+                continue
             m = _LISTENING.match(line)
             if m:
                 proc.address = m.group(2)
@@ -132,7 +157,7 @@ def _pump(stream: TextIO, proc: ManagedProcess, is_stdout: bool, echo: bool) -> 
         if not is_stdout:
             proc._stderr.append(line)
         if echo:
-            print(f"[{proc.name}] {line}", file=sys.stderr, flush=True)
+            print(echo_line(proc.name, line, log_format), file=sys.stderr, flush=True)
 
 
 class Cluster:
@@ -181,7 +206,8 @@ class Cluster:
             start_new_session=True)
         proc = ManagedProcess(kind, name, popen, args=tuple(args))
         for stream, is_stdout in ((popen.stdout, True), (popen.stderr, False)):
-            threading.Thread(target=_pump, args=(stream, proc, is_stdout, self.config.echo_logs),
+            threading.Thread(target=_pump, args=(stream, proc, is_stdout, self.config.echo_logs,
+                                                 self.config.log_format or "text"),
                              name=f"{name}-{'out' if is_stdout else 'err'}",
                              daemon=True).start()
         return proc
@@ -210,23 +236,33 @@ class Cluster:
             raise ClusterError(f"cannot listen on {c.host}:{c.router_port}: {problem}")
         kinds = ["prefill"] * c.num_prefill + ["decode"] * c.num_decode
         counts: dict[str, int] = collections.Counter()
+        planned: list[tuple[str, list[str]]] = []
         try:
             for i, kind in enumerate(kinds):
                 module = c.prefill_module if kind == "prefill" else c.decode_module
                 args = ["-m", module, "--host", c.host, "--port", "0", "--model", c.model,
                         *c.worker_args,
                         *(c.prefill_args if kind == "prefill" else c.decode_args),
-                        *self._grace_args()]
+                        *self._grace_args(), *self._log_args(),
+                        *(["--metrics-port", "0"] if c.metrics else [])]
                 if c.devices:
                     args += ["--device", c.devices[i % len(c.devices)]]
+                planned.append((kind, args))
+            shares = [None] * len(planned) if c.mem_fraction is None \
+                else memory_shares([args for _, args in planned], c.mem_fraction)
+            for (kind, args), share in zip(planned, shares):
+                if share is not None:
+                    args += ["--mem-fraction", f"{share:g}"]
                 self.workers.append(self._spawn(kind, f"{kind}-{counts[kind]}", args))
                 counts[kind] += 1
             self._wait_ready(self.workers)
             args = ["-m", c.router_module, "--host", c.host, "--port", str(c.router_port),
                     "--model", c.model, "--worker-backoff-max", str(c.worker_backoff_max_s),
-                    *self._grace_args(), *c.router_args]
+                    *self._grace_args(), *self._log_args(), *c.router_args]
             if c.router_http_port is not None:
                 args += ["--http-port", str(c.router_http_port)]
+            elif c.metrics:
+                args += ["--metrics-port", "0"]
             for w in self.workers:
                 args += [f"--{w.kind}", w.address]
             self.router = self._spawn("router", "router", args)
@@ -238,6 +274,10 @@ class Cluster:
 
     def _grace_args(self) -> list[str]:
         return [] if self.config.grace_s is None else ["--grace", str(self.config.grace_s)]
+
+    def _log_args(self) -> list[str]:
+        fmt = self.config.log_format
+        return [] if fmt is None else ["--log-format", fmt]
 
     def respawn(self, index: int) -> ManagedProcess:
         """Start worker ``index`` again, with its arguments, on the port it had, and put the new
@@ -252,8 +292,13 @@ class Cluster:
         args = list(old.args)
         port = old.address.rsplit(":", 1)[1] if old.address else "0"
         args[args.index("--port") + 1] = port
+        if "--metrics-port" in args and old.metrics_address:
+            # scrapers keep finding it where they did (the last flag is the one in force)
+            last = len(args) - 1 - args[::-1].index("--metrics-port")
+            args[last + 1] = old.metrics_address.rsplit(":", 1)[1]
         proc = self._spawn(old.kind, old.name, args)
         proc.address = old.address  # until its ready line says where it listens
+        proc.metrics_address = old.metrics_address
         self.workers[index] = proc
         return proc
 

@@ -53,8 +53,10 @@ def _bench(address: str, max_new_tokens: int):
 
 
 def run_demo(*, model: str, max_new_tokens: int, device: str, kernels: str = "auto") -> int:
+    from common.model.registry import demo_prompts_for
     from router.cluster import Cluster, ClusterConfig
 
+    prompts = demo_prompts_for(model) or DEMO_PROMPTS  # a built-in code model gets code
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     config = ClusterConfig(model=model, worker_args=("--device", device, "--kernels", kernels),
                            echo_logs=False)
@@ -67,12 +69,12 @@ def run_demo(*, model: str, max_new_tokens: int, device: str, kernels: str = "au
         for w in cluster.workers:
             print(f"  {w.name:<20} {w.address}")
         wall = time.perf_counter()
-        outs = asyncio.run(_run_all(cluster.router_address, DEMO_PROMPTS, params))
+        outs = asyncio.run(_run_all(cluster.router_address, prompts, params))
         wall = time.perf_counter() - wall
         bench = _bench(cluster.router_address, max_new_tokens)
-    expected = local_reference(model, DEMO_PROMPTS, params)
+    expected = local_reference(model, prompts, params)
     print()
-    for prompt, out, ref in zip(DEMO_PROMPTS, outs, expected):
+    for prompt, out, ref in zip(prompts, outs, expected):
         itl = statistics.mean(out.inter_token_latencies_s) if out.inter_token_latencies_s else 0
         print(f"prompt {prompt!r}")
         print(f"  text   {out.text!r}")

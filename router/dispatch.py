@@ -22,20 +22,18 @@ from dataclasses import dataclass
 import grpc
 
 from common.handoff.payload import new_handoff_id
+from common.logprobs import TokenLogprobs
 from common.sampling import SamplingParams
 from router.client import (DecodeStream, PrefillCall, PrefillResult, TokenBatch,
                            WorkerCallError, WorkerClients)
+from router.attempt_failures import (AttemptFailed, DispatchError, EveryDecodeFull,  # noqa: F401
+                                     prefill_failure, stream_failure)
 from router.policy import choose_pair
 from router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
 Code = grpc.StatusCode
-# Prefill statuses that mean the decode side refused or lost the handoff: try another decode
-# worker, but the prefill worker is fine.
-_DECODE_REFUSALS = {Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION, Code.DATA_LOSS}
-# Prefill statuses that are the request's own fault: retrying elsewhere would fail the same way.
-_CLIENT_FAULTS = {Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE}
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,7 @@ class Chunk:
     """Tokens that reached the router together. ``arrival`` is a clock reading.
 
     The last chunk of a request has finish_reason set and carries the prefill worker's answer
-    (for its timings) when it came in time.
+    (for its timings) when it came in time. ``logprobs``: one per token when the request asks.
     """
 
     token_ids: tuple[int, ...]
@@ -87,60 +85,7 @@ class Chunk:
     accept_lengths: tuple[int, ...] = ()
     finish_reason: str | None = None
     prefill: PrefillResult | None = None
-
-
-class DispatchError(Exception):
-    """The request failed; ``code`` is the gRPC status the client gets."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class EveryDecodeFull(Exception):
-    """A round of attempts found no decode worker with room: the request may wait for it."""
-
-
-class AttemptFailed(Exception):
-    """An attempt failed before its first token: the request may be retried on another pair.
-
-    blame: workers to mark down in the registry; exclude: workers this request must not use
-    again; full: decode workers that refused for lack of room.
-    """
-
-    def __init__(self, message: str, *, blame: tuple[str, ...] = (),
-                 exclude: tuple[str, ...] = (), full: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.message = message
-        self.blame = blame
-        self.exclude = tuple(dict.fromkeys(exclude + blame))
-        self.full = full
-
-
-def prefill_failure(err: WorkerCallError, prefill: str, decode: str) -> Exception:
-    """What a failed Prefill call means: a retryable AttemptFailed, or a final DispatchError."""
-    if err.code in _CLIENT_FAULTS:
-        return DispatchError(err.code, f"prefill worker {prefill} rejected the request: "
-                                       f"{err.details}")
-    if err.code in _DECODE_REFUSALS:
-        full = (decode,) if err.code == Code.RESOURCE_EXHAUSTED else ()
-        return AttemptFailed(f"decode worker {decode} refused the handoff "
-                             f"({err.code.name}: {err.details})", exclude=(decode,), full=full)
-    # UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL and the rest: the prefill worker (or its link to
-    # decode) failed. A dead decode worker shows first as a broken Stream, which is checked
-    # before this, so the prefill worker is the one blamed here.
-    return AttemptFailed(f"prefill worker {prefill} failed ({err.code.name}: {err.details})",
-                         blame=(prefill,))
-
-
-def stream_failure(err: WorkerCallError, decode: str) -> AttemptFailed:
-    """What a Decode.Stream that failed before its first token means."""
-    if err.code == Code.RESOURCE_EXHAUSTED:
-        return AttemptFailed(f"decode worker {decode} has no room ({err.details})",
-                             exclude=(decode,), full=(decode,))
-    return AttemptFailed(f"decode worker {decode} failed ({err.code.name}: {err.details})",
-                         blame=(decode,))
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Dispatcher:
@@ -156,6 +101,11 @@ class Dispatcher:
         self._turn = 0
         self._queued = 0  # requests waiting for room on a decode worker
         self._background: set[asyncio.Task] = set()
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for room on a decode worker now."""
+        return self._queued
 
     def _remaining(self, job: Job) -> float | None:
         return None if job.deadline is None else job.deadline - self.clock()
@@ -211,6 +161,8 @@ class Dispatcher:
         excluded: set[str] = set()
         all_full = True  # every attempt so far was refused for lack of room
         any_full = False
+        all_unservable = True  # every attempt so far was refused as unservable
+        any_unservable = False
         for attempt in range(1, self.config.max_attempts + 1):
             if self._expired(job):
                 raise DispatchError(Code.DEADLINE_EXCEEDED, "deadline exceeded before the first "
@@ -235,6 +187,8 @@ class Dispatcher:
                 failures.append(failed.message)
                 all_full = all_full and bool(failed.full)
                 any_full = any_full or bool(failed.full)
+                all_unservable = all_unservable and failed.unservable
+                any_unservable = any_unservable or failed.unservable
                 excluded.update(failed.exclude)
                 for address in failed.blame:
                     self.registry.mark_failed(address, failed.message)
@@ -244,6 +198,9 @@ class Dispatcher:
             raise EveryDecodeFull("; ".join(failures))
         # workers that answered "no room" are up: say so, rather than that nothing is reachable
         code = Code.RESOURCE_EXHAUSTED if all_full and len(failures) > 1 else Code.UNAVAILABLE
+        if any_unservable and all_unservable:
+            # every decode worker tried said it cannot serve this request: the request must change
+            code = Code.FAILED_PRECONDITION
         raise DispatchError(code, "no worker pair could serve the request: "
                             + "; ".join(failures))
 
@@ -268,6 +225,9 @@ class Dispatcher:
             self.clients.prefill(prefill, call, self._remaining(job)))
         release = self.registry.assign(prefill, decode)
         prefill_task.add_done_callback(lambda task: _settle(task, release))
+        # until the attempt's last call (the aborts included): a worker that left DNS keeps its
+        # channel while this runs
+        unhold = self.registry.hold(prefill, decode)
         completed = False
         try:
             first = await self._first_batch(job, stream, prefill_task, prefill, decode)
@@ -275,7 +235,8 @@ class Dispatcher:
                 # The request ended at its first token; there is no handoff to stream.
                 completed = True
                 stream.cancel()
-                yield Chunk((first.first_token,), self.clock(), (), first.finish_reason, first)
+                yield Chunk((first.first_token,), self.clock(), (), first.finish_reason, first,
+                            (first.first_logprobs,) if first.first_logprobs is not None else ())
                 return
             async for chunk in self._follow(job, stream, prefill_task, decode, first):
                 yield chunk
@@ -285,7 +246,9 @@ class Dispatcher:
                 # Cancelled, failed or retried: free whatever either worker holds for it.
                 prefill_task.cancel()
                 stream.cancel()
-                self._abort_later(prefill, decode, handoff_id, job.request_id)
+                self._abort_later(prefill, decode, handoff_id, job.request_id, then=unhold)
+            else:
+                unhold()
 
     async def _first_batch(self, job: Job, stream: DecodeStream, prefill_task: asyncio.Task,
                            prefill: str, decode: str) -> tuple[TokenBatch, float] | PrefillResult:
@@ -330,15 +293,17 @@ class Dispatcher:
             num_tokens += len(batch.token_ids)
             if batch.finish_reason == "error":
                 if batch.token_ids:
-                    yield Chunk(batch.token_ids, arrival, batch.accept_lengths)
+                    yield Chunk(batch.token_ids, arrival, batch.accept_lengths,
+                                logprobs=batch.logprobs)
                 raise DispatchError(Code.INTERNAL, f"decode worker {decode} failed after "
                                     f"{num_tokens} tokens: {batch.error or 'no message'}")
             if batch.finish_reason is not None:
                 prefill_result = await self._prefill_result(job, prefill_task)
                 yield Chunk(batch.token_ids, arrival, batch.accept_lengths, batch.finish_reason,
-                            prefill_result)
+                            prefill_result, batch.logprobs)
                 return
-            yield Chunk(batch.token_ids, arrival, batch.accept_lengths)
+            yield Chunk(batch.token_ids, arrival, batch.accept_lengths,
+                        logprobs=batch.logprobs)
             try:
                 next_batch = await stream.read()
             except WorkerCallError as exc:
@@ -372,8 +337,10 @@ class Dispatcher:
             return otherwise()
         return exc  # not a worker status: a bug, surfaced as it is
 
-    def _abort_later(self, prefill: str, decode: str, handoff_id: int, request_id: str) -> None:
-        """Fire-and-forget Abort to both workers (bounded by the client's abort timeout)."""
+    def _abort_later(self, prefill: str, decode: str, handoff_id: int, request_id: str,
+                     then: Callable[[], None] = lambda: None) -> None:
+        """Fire-and-forget Abort to both workers (bounded by the client's abort timeout);
+        ``then`` runs once both have ended."""
         async def abort_both() -> None:
             results = await asyncio.gather(
                 self.clients.abort(prefill, "prefill", handoff_id, "cancelled by the router"),
@@ -386,6 +353,7 @@ class Dispatcher:
         task = asyncio.create_task(abort_both())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda _: then())
 
     async def drain(self, timeout: float = 2.0) -> None:
         """Give outstanding aborts a moment to go out (at shutdown)."""

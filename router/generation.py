@@ -12,10 +12,14 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
+import grpc
+
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from common.limits import check_request_id
-from router.dispatch import Dispatcher, Job
+from common.logging_setup import bind_request_id
+from common.metrics.router_metrics import RouterMetrics
+from router.dispatch import Dispatcher, DispatchError, Job
 from router.limits import RequestLimits, WorkerCapacity, check_request_size, check_text_size
 from router.requests import (Delta, OutputTracker, ServedModel, check_prompt, new_request_id,
                              with_seed)
@@ -36,6 +40,7 @@ class Generation:
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.limits = limits
+        self.metrics = RouterMetrics(waiting=lambda: dispatcher.num_queued)
 
     async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (ValueError when the model has no tokenizer).
@@ -62,8 +67,10 @@ class Generation:
             check_request_id(request_id)
         except ValueError as exc:
             log.info("[%s...] rejected: %s", request_id[:32], exc)  # not a huge id in the log
+            self.metrics.rejected()
             raise
         request_id = request_id or new_request_id()
+        bind_request_id(request_id)
         try:
             params = with_seed(params)
             if isinstance(prompt, str):
@@ -75,6 +82,7 @@ class Generation:
             stop = check_stop_strings(stop)
         except ValueError as exc:
             log.info("[%s] rejected: %s", request_id, exc)
+            self.metrics.rejected()
             raise
         job = Job(request_id=request_id, prompt_ids=tuple(ids), sampling=params,
                   speculative=speculative, arrival=arrival,
@@ -88,15 +96,47 @@ class Generation:
 
         Raises ``DispatchError`` (with the status the client gets) when the workers cannot
         complete it. Callers must close this generator (``contextlib.aclosing``) when they stop
-        early, so that the attempt's cleanup aborts the request on both workers.
+        early, so that the attempt's cleanup aborts the request on both workers. Each request
+        that runs is counted in ``metrics`` once it ends, however it ends.
         """
+        bind_request_id(job.request_id)
+        status, last = "CANCELLED", None  # what an early close (the client left) leaves
+        self.metrics.running.inc()
+        try:
+            async with contextlib.aclosing(self._run(job, tracker)) as deltas:
+                async for delta in deltas:
+                    if delta.finish_reason is not None:
+                        status, last = "OK", delta
+                    yield delta
+        except DispatchError as exc:
+            status = exc.code.name
+            raise
+        except Exception:
+            status = "INTERNAL"  # what both APIs answer for a bug
+            raise
+        finally:
+            self.metrics.running.dec()
+            t = last.timings if last is not None else None
+            self.metrics.ended(
+                status, last.finish_reason if last is not None else None,
+                prompt_tokens=len(job.prompt_ids), completion_tokens=len(tracker.token_ids),
+                time_to_first_token_s=t.time_to_first_token_s if t else None,
+                inter_token_latencies_s=t.inter_token_latencies_s if t else (),
+                e2e_s=t.total_s if t else None)
+
+    async def _run(self, job: Job, tracker: OutputTracker) -> AsyncIterator[Delta]:
+        """:meth:`run`'s deltas, before they are counted."""
         finish = None
         async with contextlib.aclosing(self.dispatcher.run(job)) as chunks:
             async for c in chunks:
+                if job.sampling.logprobs is not None and len(c.logprobs) != len(c.token_ids):
+                    raise DispatchError(grpc.StatusCode.INTERNAL, f"the workers sent "
+                                        f"{len(c.logprobs)} log-probabilities for "
+                                        f"{len(c.token_ids)} tokens")
                 times = (c.prefill.queue_s, c.prefill.prefill_s, c.prefill.handoff_s) \
                     if c.prefill else None
                 delta = tracker.add(c.token_ids, c.arrival, c.accept_lengths, c.finish_reason,
-                                    times)
+                                    times, c.logprobs)
                 yield delta
                 if delta.finish_reason is not None:
                     # Normally the last chunk anyway. After a stop string, leaving here closes

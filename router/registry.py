@@ -7,6 +7,12 @@ so a dead address costs one short timeout per backoff period instead of one per 
 
 The registry holds no gRPC code: it is given a ``fetch_load(address, kind)`` coroutine (the
 client's, or a fake in tests) and a clock, so backoff can be tested without sleeping.
+
+The set of workers can change while the router runs (``router/discovery.py``: addresses behind a
+DNS name): ``reconcile`` adds new addresses, which take requests once they answer a poll, and
+retires vanished ones. A retired worker gets no new request and is no longer polled, but its row
+stays (out of ``workers()``) while requests ``hold`` it, so that they finish on it; ``reap`` then
+drops it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from common.load_report import WORKER_KINDS, LoadReport
@@ -60,7 +66,8 @@ class WorkerState:
     """One row of the table. Mutated only on the event loop, so no lock is needed.
 
     healthy starts False: a worker takes requests only after it has answered once.
-    in_flight is the router's own count of assignments the load report cannot show yet.
+    in_flight is the router's own count of assignments the load report cannot show yet; holds
+    counts requests using the worker at all (from choice to their last call to it).
     """
 
     address: str
@@ -72,6 +79,7 @@ class WorkerState:
     failed_at: float | None = None
     last_error: str = ""
     in_flight: int = 0
+    holds: int = 0
 
     def view(self) -> WorkerView:
         load = self.load
@@ -100,6 +108,8 @@ class WorkerRegistry:
             if address in self._workers:
                 raise ValueError(f"worker address {address} is listed twice")
             self._workers[address] = WorkerState(address=address, kind=kind)
+        # workers no longer listed whose rows requests still hold (see the module docstring)
+        self._retired: dict[str, WorkerState] = {}
         self._task: asyncio.Task | None = None
 
     # -- reading ------------------------------------------------------------------------------
@@ -110,7 +120,14 @@ class WorkerRegistry:
         return sorted(self._workers.values(), key=lambda w: (order[w.kind], w.address))
 
     def get(self, address: str) -> WorkerState:
-        return self._workers[address]
+        """The row of a listed or retired worker; KeyError for any other address."""
+        if address in self._workers:
+            return self._workers[address]
+        return self._retired[address]
+
+    def _find(self, address: str) -> WorkerState | None:
+        # NOTE: answers and failures may arrive for a worker reaped meanwhile; they are dropped
+        return self._workers.get(address) or self._retired.get(address)
 
     def views(self) -> list[WorkerView]:
         return [w.view() for w in self.workers()]
@@ -127,7 +144,9 @@ class WorkerRegistry:
     def record_success(self, address: str, report: LoadReport,
                        asked_at: float | None = None) -> None:
         """Store a report; ``asked_at`` is when it was asked for (default: now)."""
-        w = self._workers[address]
+        w = self._find(address)
+        if w is None:
+            return
         if w.failed_at is not None and asked_at is not None and asked_at <= w.failed_at:
             # NOTE: the question went out before the failure was recorded (a poll overlapping
             # mark_failed): the answer says nothing about the worker since, so it cannot
@@ -145,7 +164,9 @@ class WorkerRegistry:
         w.last_error = ""
 
     def record_failure(self, address: str, error: str) -> None:
-        w = self._workers[address]
+        w = self._find(address)
+        if w is None:
+            return
         w.consecutive_failures += 1
         w.last_error = error
         w.failed_at = self._clock()
@@ -166,8 +187,8 @@ class WorkerRegistry:
 
         It is not down, so it is not backed off; it just stops winning choices on a stale report.
         """
-        w = self._workers[address]
-        if w.load is not None:
+        w = self._find(address)
+        if w is not None and w.load is not None:
             w.load = dataclasses.replace(w.load, free_slots=0, free_pages=0)
 
     def assign(self, *addresses: str) -> Callable[[], None]:
@@ -176,17 +197,67 @@ class WorkerRegistry:
         The dispatcher releases when the prefill call returns: by then the prefill worker's queue
         and the decode worker's pools (the handoff was admitted or refused) show the request.
         """
-        for a in addresses:
-            self._workers[a].in_flight += 1
+        return self._count(addresses, "in_flight")
+
+    def hold(self, *addresses: str) -> Callable[[], None]:
+        """Count a request's use of these workers; call the result once, after its last call to
+        them. A retired worker is reaped only when nothing holds it."""
+        return self._count(addresses, "holds")
+
+    def _count(self, addresses: tuple[str, ...], counter: str) -> Callable[[], None]:
+        rows = [self.get(a) for a in addresses]
+        for w in rows:
+            setattr(w, counter, getattr(w, counter) + 1)
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                for a in addresses:
-                    self._workers[a].in_flight -= 1
+                for w in rows:
+                    setattr(w, counter, getattr(w, counter) - 1)
         return release
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def reconcile(self, wanted: Mapping[str, str]) -> None:
+        """Make the listed workers ``wanted`` (address -> kind): add the new ones, retire the
+        rest. A new worker, or a retired one that comes back (with its row, so the requests that
+        hold it are still counted), takes requests only once it has answered a poll."""
+        wrong = sorted({k for k in wanted.values() if k not in WORKER_KINDS})
+        if wrong:
+            raise ValueError(f"worker kind must be one of {WORKER_KINDS}, got {wrong}")
+        for address, kind in wanted.items():
+            listed = self._workers.get(address)
+            if listed is not None:
+                if listed.kind != kind:
+                    log.warning("%s is listed as a %s worker; not adding it as a %s worker",
+                                address, listed.kind, kind)
+                continue
+            row = self._retired.pop(address, None)
+            if row is not None and row.kind != kind:
+                # the address now serves the other kind: the old row stays until it is reaped
+                self._retired[address] = row
+                log.warning("%s was a %s worker and still has requests; not adding it as a %s "
+                            "worker until they end", address, row.kind, kind)
+                continue
+            if row is not None:
+                # it was not polled while retired: what it last said may be stale
+                row.healthy, row.next_retry_at = False, 0.0
+            self._workers[address] = row or WorkerState(address=address, kind=kind)
+            log.info("%s worker %s added", kind, address)
+        for address in [a for a in self._workers if a not in wanted]:
+            row = self._workers.pop(address)
+            self._retired[address] = row
+            log.info("%s worker %s removed: it takes no new request (%d running)", row.kind,
+                     address, row.holds)
+
+    def reap(self) -> list[str]:
+        """Drop the retired workers no request holds; their addresses (to close channels)."""
+        gone = [a for a, w in self._retired.items() if w.holds <= 0]
+        for address in gone:
+            del self._retired[address]
+        return gone
 
     # -- polling ------------------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.channels import ChannelSecurity, make_channel
-from common.convert import finish_reason_from_pb, sampling_to_pb
+from common.convert import finish_reason_from_pb, logprobs_from_pb, sampling_to_pb
+from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import generation_pb2, generation_pb2_grpc
 from common.sampling import SamplingParams
 
@@ -24,6 +25,8 @@ class Completion:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
+    # one per token when the request asks for them (SamplingParams.logprobs)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     time_to_first_token_s: float = 0.0
@@ -66,6 +69,7 @@ async def generate(address: str, request: generation_pb2.GenerateRequest, *,
             out.text += msg.text
             out.token_ids.extend(msg.token_ids)
             out.accept_lengths.extend(msg.accept_lengths)
+            out.logprobs.extend(logprobs_from_pb(lp) for lp in msg.logprobs)
             if msg.text and on_text is not None:
                 on_text(msg.text)
             reason = finish_reason_from_pb(msg.finish_reason)

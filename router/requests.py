@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from common.logprobs import TokenLogprobs
 from common.sampling import SamplingParams
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 from router.stop_strings import StopStringMatcher
@@ -92,7 +93,8 @@ class Timings:
 
 @dataclass(frozen=True)
 class Delta:
-    """What is new in one response; usage and timings only on the last (finish_reason set)."""
+    """What is new in one response; usage and timings only on the last (finish_reason set);
+    ``logprobs`` one per token when the request asks for them."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -101,6 +103,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings: Timings | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass
@@ -118,6 +121,7 @@ class OutputTracker:
     stop: Sequence[str] = ()
     token_ids: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     ttft: float | None = None
     gaps: list[float] = field(default_factory=list)
@@ -134,8 +138,9 @@ class OutputTracker:
 
     def add(self, token_ids: Sequence[int], arrival: float, accept_lengths: Sequence[int] = (),
             finish_reason: str | None = None, prefill_times: tuple[float, float, float] | None
-            = None) -> Delta:
-        """Record tokens that arrived together; the last call passes finish_reason."""
+            = None, logprobs: Sequence[TokenLogprobs] = ()) -> Delta:
+        """Record tokens that arrived together (with their log-probabilities, when the request
+        asks for them); the last call passes finish_reason."""
         pieces, kept = [], 0
         for t in token_ids:
             pieces.append(self._stop.push(self._detok.push(t)))
@@ -144,6 +149,7 @@ class OutputTracker:
                 finish_reason = "stop"
                 break
         token_ids = tuple(token_ids[:kept])
+        logprobs = tuple(logprobs[:kept])
         text = "".join(pieces)
         for i, _ in enumerate(token_ids):
             if self.last_arrival is None and i == 0:
@@ -153,6 +159,7 @@ class OutputTracker:
         if token_ids:
             self.last_arrival = arrival
         self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
         self.accept_lengths.extend(accept_lengths)
         timings = None
         if finish_reason is not None:
@@ -169,4 +176,5 @@ class OutputTracker:
         self.text_parts.append(text)
         return Delta(text=text, token_ids=tuple(token_ids), accept_lengths=tuple(accept_lengths),
                      finish_reason=finish_reason, prompt_tokens=len(self.prompt_ids),
-                     completion_tokens=len(self.token_ids), timings=timings)
+                     completion_tokens=len(self.token_ids), timings=timings,
+                     logprobs=logprobs)

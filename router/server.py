@@ -18,15 +18,18 @@ import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-from common.convert import (finish_reason_to_pb, load_report_to_pb, sampling_from_pb,
-                            speculative_from_pb)
+from common.convert import (finish_reason_to_pb, load_report_to_pb, logprobs_to_pb,
+                            sampling_from_pb, speculative_from_pb)
 from common.channels import ChannelSecurity
 from common.grpc_util import bind, make_server, set_serving
+from common.metrics.server import MetricsServer
 from common.pb.flashsplit.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from common.security import ServerSecurity
 from common.shutdown import GracefulShutdown, stop_gracefully
 from common.tokenizer import Tokenizer, load_tokenizer
 from router.client import ClientConfig, WorkerClients
+from router.discovery import (DiscoveryConfig, Resolver, SystemResolver, WorkerDiscovery,
+                              parse_targets)
 from router.dispatch import Dispatcher, DispatchConfig, DispatchError, Job
 from router.generation import Generation
 from router.limits import RequestLimits
@@ -45,11 +48,13 @@ class RouterConfig:
     """Everything the router process is started with."""
 
     model: str
+    # each host:port or dns:///name:port (router/discovery.py)
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 0
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     clients: ClientConfig = field(default_factory=ClientConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     grace_s: float = 5.0
@@ -60,13 +65,16 @@ class RouterConfig:
     http: HttpConfig | None = None
     # caps on prompt and message sizes (router/limits.py)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Prometheus metrics on a port of their own (None: only at the HTTP API's /metrics)
+    metrics_port: int | None = None
 
 
 def delta_to_pb(request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
     msg = generation_pb2.GenerateResponse(
         request_id=request_id, text=delta.text, token_ids=list(delta.token_ids),
         accept_lengths=list(delta.accept_lengths),
-        finish_reason=finish_reason_to_pb(delta.finish_reason))
+        finish_reason=finish_reason_to_pb(delta.finish_reason),
+        logprobs=[logprobs_to_pb(lp) for lp in delta.logprobs])
     if delta.finish_reason is not None:
         msg.usage.prompt_tokens = delta.prompt_tokens
         msg.usage.completion_tokens = delta.completion_tokens
@@ -154,7 +162,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         whole = Delta(text=tracker.text, token_ids=tuple(tracker.token_ids),
                       accept_lengths=tuple(tracker.accept_lengths),
                       finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
-                      completion_tokens=last.completion_tokens, timings=last.timings)
+                      completion_tokens=last.completion_tokens, timings=last.timings,
+                      logprobs=tuple(tracker.logprobs))
         return delta_to_pb(job.request_id, whole)
 
     async def GetModelInfo(self, request, context):
@@ -184,13 +193,17 @@ class Router:
     """The router's gRPC server with its registry and worker clients; start() then stop()."""
 
     def __init__(self, config: RouterConfig, *, tokenizer: Tokenizer | None = None,
-                 model: ServedModel | None = None) -> None:
+                 model: ServedModel | None = None, resolver: Resolver | None = None) -> None:
+        """``resolver`` turns the dns:/// targets into addresses (default: the host's DNS)."""
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.model, allow_missing=True)
         self.model = model or load_served_model(config.model, self.tokenizer)
         self.clients = WorkerClients(config.clients, config.internal)
-        workers = [(a, "prefill") for a in config.prefill] + [(a, "decode") for a in config.decode]
-        self.registry = WorkerRegistry(workers, self.clients.get_load, config.registry)
+        targets = parse_targets(config.prefill, config.decode)
+        self.registry = WorkerRegistry(WorkerDiscovery.fixed_workers(targets),
+                                       self.clients.get_load, config.registry)
+        self.discovery = WorkerDiscovery(targets, self.registry, resolver or SystemResolver(),
+                                         config.discovery, on_removed=self.clients.forget)
         self.dispatcher = Dispatcher(self.registry, self.clients, config.dispatch)
         self.generation = Generation(self.model, self.tokenizer, self.dispatcher,
                                      config.limits)
@@ -198,6 +211,7 @@ class Router:
         self.health: health.aio.HealthServicer | None = None
         self.server: grpc.aio.Server | None = None
         self.http = None  # router.openai_api.server.HttpServer while serving HTTP
+        self.metrics_server: MetricsServer | None = None
         self.port = 0
 
     @property
@@ -220,6 +234,10 @@ class Router:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         self.port = int(bind(server, self.config.host, self.config.port,
                              self.config.public.credentials()).rsplit(":", 1)[1])
+        if self.config.metrics_port is not None:
+            self.metrics_server = MetricsServer(self.config.host, self.config.metrics_port)
+            self.metrics_server.start(self.generation.metrics.registry)
+        await self.discovery.start()
         await self.registry.start()
         await server.start()
         self.server = server
@@ -231,6 +249,11 @@ class Router:
                 raise
         await set_serving(self.health, [SERVICE_NAME], True)
         return self.address
+
+    @property
+    def metrics_address(self) -> str | None:
+        """host:port of the ``--metrics-port`` endpoint (None when it is not served)."""
+        return self.metrics_server.address if self.metrics_server is not None else None
 
     @property
     def http_address(self) -> str | None:
@@ -257,6 +280,10 @@ class Router:
         if self.http is not None:
             stopping.append(self.http.stop())
         await asyncio.gather(*stopping)
+        await self.discovery.stop()
         await self.registry.stop()
         await self.dispatcher.drain()
         await self.clients.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None

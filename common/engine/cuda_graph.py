@@ -15,7 +15,6 @@ same buffers and padding run eagerly, which is how the CPU tests check the padde
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from common.engine.request import Request
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
 from common.ops.attention.planned import TorchPlannedAttention
+from common.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -283,32 +283,20 @@ def capture_graphs(batch_sizes: Sequence[int], *, prepare: Callable[[int], None]
     sizes = sorted(batch_sizes, reverse=True)
     graphs, outputs = {}, {}
     start = time.perf_counter()
-    for i, bs in enumerate(sizes):
-        if progress:
-            _progress(label, i, len(sizes), bs)
-        prepare(bs)
-        for _ in range(2):
-            forward(bs)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs[bs] = forward(bs)
-        graphs[bs] = graph
+    log.info("capturing %d %s", len(sizes), label)
+    with progress_bar(len(sizes), f"Capturing {label}", "graph", enabled=progress) as bar:
+        for bs in sizes:
+            bar.set_postfix_str(f"batch {bs}", refresh=False)
+            prepare(bs)
+            for _ in range(2):
+                forward(bs)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[bs] = forward(bs)
+            graphs[bs] = graph
+            bar.update()
     torch.cuda.synchronize()
-    if progress:
-        _progress(label, len(sizes), len(sizes), sizes[-1])
     log.info("captured %d %s (batch %s) in %.1f s", len(sizes), label,
              ",".join(map(str, sorted(sizes))), time.perf_counter() - start)
     return graphs, outputs
-
-
-def _progress(label: str, done: int, total: int, bs: int) -> None:
-    """A one-line progress bar on a terminal; log lines otherwise (worker logs are files)."""
-    if sys.stderr.isatty():
-        bar = "#" * (24 * done // total)
-        sys.stderr.write(f"\rCapturing {label} [{bar:<24}] {done}/{total} (batch {bs})")
-        if done == total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-    elif done < total and done % 4 == 0:
-        log.info("capturing %s: %d/%d (batch %d)", label, done, total, bs)

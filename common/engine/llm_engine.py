@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from common.cache.kv_pool import KVPool
-from common.cache.state_pool import GDNStatePool
+from common.cache.pools import CacheConfig, make_pools  # noqa: F401 - re-exported
 from common.engine.cuda_graph import CudaGraphConfig, GraphRunner
 from common.engine.errors import StepFailed, is_device_fault
 from common.engine.model_runner import ModelRunner
@@ -17,19 +17,13 @@ from common.engine.overlap import InFlight, OverlapDecoder
 from common.engine.request import Request
 from common.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from common.engine.speculative import DFlashSpeculator
+from common.logprobs import TokenLogprobs, check_asked, logprobs_per_row
 from common.model.dflash import DFlashDraftModel
 from common.model.forward_batch import ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM
 from common.sampling import Sampler, SamplingParams, make_generator, stop_reason
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    page_size: int = 16
-    num_pages: int = 1024   # including the scratch page 0
-    num_slots: int = 65     # including the scratch slot 0
 
 
 @dataclass(frozen=True)
@@ -60,25 +54,13 @@ class TokenEvent:
     held: bool = False
     # on the first token of a speculative step: the tokens that step committed (accepted + 1)
     accept_length: int | None = None
+    # when the request asked for them (SamplingParams.logprobs)
+    logprobs: TokenLogprobs | None = None
 
 
 def step_seed(seed: int, position: int) -> int:
     """The generator seed for a request's ``position``-th output token."""
     return (seed * 1_000_003 + position * 7_919 + 1) % (1 << 63)
-
-
-def make_pools(model: HybridForCausalLM, cache: CacheConfig,
-               device: torch.device | str) -> tuple[KVPool, GDNStatePool]:
-    c = model.config
-    kv_pool = KVPool(layer_ids=c.full_attention_layers, num_pages=cache.num_pages,
-                     page_size=cache.page_size, num_kv_heads=c.num_key_value_heads,
-                     head_dim=c.head_dim, dtype=model.dtype, device=device)
-    state_pool = GDNStatePool(
-        layer_ids=c.linear_attention_layers, num_slots=cache.num_slots, conv_dim=c.conv_dim,
-        conv_window=c.linear_conv_kernel_dim - 1, num_value_heads=c.linear_num_value_heads,
-        key_head_dim=c.linear_key_head_dim, value_head_dim=c.linear_value_head_dim,
-        conv_dtype=model.dtype, device=device)
-    return kv_pool, state_pool
 
 
 class LLMEngine:
@@ -109,6 +91,11 @@ class LLMEngine:
         if config.overlap_schedule and self.runner.graphs is not None:
             self.overlap = OverlapDecoder(self.runner.graphs, config.cache.num_slots)
         self.sampler = Sampler()
+        # on a GPU, called with an EXTEND step's requests (``num_cached`` advanced) and one CUDA
+        # event per model layer as soon as its forward is queued: a prefill worker's handoff
+        # reads each layer's state once that layer has run
+        self.on_extend_queued: Callable[[list[Request], tuple[torch.cuda.Event, ...]],
+                                        None] | None = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._stepping: list[Request] = []  # requests of the step now running (for StepFailed)
@@ -181,14 +168,17 @@ class LLMEngine:
 
     def admit_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int,
                         params: SamplingParams, page_ids: list[int], slot: int, *,
-                        speculative: bool = False) -> TokenEvent:
+                        speculative: bool = False,
+                        first_logprobs: TokenLogprobs | None = None) -> TokenEvent:
         """Continue a request whose prompt state is already in ``page_ids`` / ``slot`` (a
         handoff) and whose first token was sampled elsewhere. Returns that token's event.
-        ``speculative`` only when the draft context of the prompt is in the draft pool too."""
+        ``speculative`` only when the draft context of the prompt is in the draft pool too;
+        ``first_logprobs`` exactly when the request asks for log-probabilities."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if speculative and self.speculator is None:
             raise ValueError("a speculative request needs an engine with a draft")
+        check_asked(first_logprobs, params.logprobs)
         req = Request(request_id, list(prompt_ids), params,
                       generator=make_generator(params.seed, self.config.device),
                       num_cached=len(prompt_ids), page_ids=list(page_ids), slot=slot,
@@ -197,7 +187,7 @@ class LLMEngine:
         self.scheduler.admit_prefilled(req)
         if self.overlap is not None:
             self.overlap.note_tokens([slot], torch.tensor([first_token]))
-        return self._append(req, first_token)
+        return self._append(req, first_token, logprobs=first_logprobs)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its cache; False if it is unknown (already finished)."""
@@ -284,7 +274,8 @@ class LLMEngine:
             return []
         self._stepping += step.requests
         tokens = self.overlap.collect(step)
-        return [self._append(r, tok) for r, tok in zip(step.requests, tokens)
+        return [self._append(r, tok, logprobs=lp)
+                for r, tok, lp in zip(step.requests, tokens, step.token_logprobs())
                 if r.finish_reason is None]
 
     def _step(self) -> list[TokenEvent]:
@@ -301,7 +292,10 @@ class LLMEngine:
 
     def _forward(self, step: ScheduledStep) -> list[TokenEvent]:
         """One target forward (EXTEND or DECODE) and a token for each request it completes."""
-        out, batch = self.runner.run(step)
+        report = step.mode == ForwardMode.EXTEND and self.on_extend_queued is not None
+        out, batch, layers = self.runner.run_with_layer_events(step, report)
+        if layers is not None:  # before anything waits for the device
+            self.on_extend_queued(step.requests, layers)
         if self.speculator is not None and step.mode == ForwardMode.EXTEND:
             rows = [t for r, start, n in zip(step.requests, batch.cu_seqlens.tolist(),
                                              batch.extend_lens) if r.speculative
@@ -323,7 +317,9 @@ class LLMEngine:
                                      [r.generator for r in reqs])
         if self.overlap is not None:
             self.overlap.note_tokens([r.slot for r in reqs], tokens)
-        return [self._append(r, tok) for r, tok in zip(reqs, tokens.tolist())]
+        per_row = logprobs_per_row(logits, tokens, [r.params.logprobs for r in reqs])
+        return [self._append(r, tok, logprobs=lp)
+                for r, tok, lp in zip(reqs, tokens.tolist(), per_row)]
 
     def _speculate(self, requests: list[Request]) -> list[TokenEvent]:
         events = []
@@ -331,7 +327,8 @@ class LLMEngine:
             r = outcome.request
             r.accept_lengths.append(outcome.acceptance.commit_len)
             for i, tok in enumerate(outcome.tokens):
-                event = self._append(r, tok, outcome.acceptance.commit_len if i == 0 else None)
+                event = self._append(r, tok, outcome.acceptance.commit_len if i == 0 else None,
+                                     logprobs=outcome.logprobs[i] if outcome.logprobs else None)
                 events.append(event)
                 if event.finish_reason is not None:
                     break  # nothing after a stop token (or the length limit) is emitted
@@ -346,21 +343,26 @@ class LLMEngine:
             position = len(r.output_ids) if position is None else position
             r.generator.manual_seed(step_seed(r.params.seed, position))
 
-    def _append(self, r: Request, tok: int, accept_length: int | None = None) -> TokenEvent:
+    def _append(self, r: Request, tok: int, accept_length: int | None = None, *,
+                logprobs: TokenLogprobs | None = None) -> TokenEvent:
         r.output_ids.append(tok)
+        if logprobs is not None:
+            r.logprobs.append(logprobs)
         if self.config.hold_after_prefill:
             self.scheduler.detach(r)
-            return TokenEvent(r.request_id, tok, None, held=True)
+            return TokenEvent(r.request_id, tok, None, held=True, logprobs=logprobs)
         reason = stop_reason(tok, len(r.output_ids), r.params, self.eos_token_ids)
         if reason is not None:
             r.finish_reason = reason
             self.scheduler.release(r)
             del self.requests[r.request_id]
-        return TokenEvent(r.request_id, tok, reason, accept_length=accept_length)
+        return TokenEvent(r.request_id, tok, reason, accept_length=accept_length,
+                          logprobs=logprobs)
 
-    def warmup(self) -> None:
+    def warmup(self, progress: bool = True) -> None:
         """Run one short request through every path this engine serves (prefill, decode, a
-        DFLASH step), so that kernels compile and autotune before a worker reports SERVING."""
+        DFLASH step), so that kernels compile and autotune before a worker reports SERVING.
+        ``progress``: a progress bar for the graph capture (on a terminal only)."""
         steps = self.speculator.block_size + 2 if self.speculator else 3
         params = SamplingParams(temperature=0.0, max_new_tokens=steps, ignore_eos=True)
         key = "__warmup__"
@@ -369,7 +371,7 @@ class LLMEngine:
             if any(e.held for e in self.step()):
                 break
         self.abort(key)  # a request held for handoff (prefill workers) still owns its cache
-        self.capture_cuda_graphs()
+        self.capture_cuda_graphs(progress)
 
     def load(self) -> dict[str, int]:
         """Free and total capacity, queue lengths: what a worker reports to the router.

@@ -35,15 +35,28 @@ class ModelRunner:
             page_size=self.kv_pool.page_size, state_slots=[r.slot for r in reqs],
             return_all_logits=return_all_logits, device=self.device)
 
-    def run(self, step: ScheduledStep, *,
-            return_all_logits: bool = False) -> tuple[ModelOutput, ForwardBatch]:
-        """Run one forward and advance every request's ``num_cached``."""
+    def run(self, step: ScheduledStep, *, return_all_logits: bool = False,
+            after_layer=None) -> tuple[ModelOutput, ForwardBatch]:
+        """Run one forward and advance every request's ``num_cached``. ``after_layer(i)``:
+        called once layer ``i``'s work is queued, in an eager forward (not a graph replay)."""
         if (self.graphs is not None and step.mode == ForwardMode.DECODE
                 and not return_all_logits and self.graphs.serves(len(step.requests))):
             out, batch = self.graphs.run(step.requests, step.token_ids())
         else:
             batch = self.build_batch(step, return_all_logits=return_all_logits)
-            out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+            out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool,
+                             after_layer=after_layer)
         for r, n in zip(step.requests, step.num_new_tokens):
             r.num_cached += n
         return out, batch
+
+    def run_with_layer_events(self, step: ScheduledStep, record: bool):
+        """``run``, and with ``record`` on a GPU one CUDA event per model layer, recorded as
+        each layer's work is queued (None otherwise): readers of a layer's state wait for its
+        event instead of the whole step."""
+        if not record or self.device.type != "cuda":
+            return (*self.run(step), None)
+        layers = [torch.cuda.Event() for _ in range(self.model.config.num_hidden_layers)]
+        out, batch = self.run(step, after_layer=lambda i: layers[i].record())
+        return out, batch, tuple(layers)
+

@@ -9,7 +9,10 @@ are noted into the relay too.
 
 The sampled tokens of a step are copied to pinned host memory without blocking, and a CUDA
 event marks their arrival. Collecting a step waits on that event only, not on the device work
-queued after it.
+queued after it. The log-probabilities of the rows that asked for them are computed and copied
+the same way, before that event. They need not go through the relay: no later step reads them
+on the device, only the host does, from this step's own copy, so a step in which no request
+asks for them leaves nothing behind that a later one could miss.
 
 A request that finishes in step n has already been launched in step n+1. Its extra token is
 dropped when step n+1 is collected. Its pages and slot are freed when step n is collected:
@@ -27,6 +30,7 @@ import torch
 from common.engine.cuda_graph import GraphRunner, recorded_event
 from common.engine.relay import PayloadRelay
 from common.engine.request import Request
+from common.logprobs import StepLogprobs, TokenLogprobs
 
 NEXT_TOKEN = "next_token"
 
@@ -38,9 +42,17 @@ class InFlight:
     requests: list[Request]
     tokens: torch.Tensor  # [n] int64 host copy, complete once `ready` has passed
     ready: torch.cuda.Event | None
+    logprobs: StepLogprobs | None = None  # host copy of the rows that asked, likewise
 
     def __post_init__(self) -> None:
         self.ids = {id(r) for r in self.requests}
+
+    def token_logprobs(self) -> list[TokenLogprobs | None]:
+        """Per request, its token's log-probabilities (None where it asked for none); read
+        after :meth:`OverlapDecoder.collect`."""
+        if self.logprobs is None:
+            return [None] * len(self.requests)
+        return self.logprobs.per_row(len(self.requests))
 
 
 class OverlapDecoder:
@@ -84,13 +96,17 @@ class OverlapDecoder:
         n = len(requests)
         tokens = sample(out.logits, requests)
         self.relay.write(NEXT_TOKEN, batch.state_slots[:n], tokens)
+        logprobs = StepLogprobs.of(out.logits, tokens,
+                                   [r.params.logprobs for r in requests])
         host = self._hosts[self._turn][:n]
         self._turn ^= 1
         host.copy_(tokens, non_blocking=self.on_gpu)
+        host_logprobs = logprobs.to_host() if logprobs is not None else None
         ready = recorded_event(out.logits.device)
         for r in requests:
             r.num_cached += 1
-        previous, self.in_flight = self.in_flight, InFlight(list(requests), host, ready)
+        previous, self.in_flight = self.in_flight, InFlight(list(requests), host, ready,
+                                                            host_logprobs)
         return previous
 
     def take(self) -> InFlight | None:

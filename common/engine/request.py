@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.logprobs import TokenLogprobs
 from common.sampling import SamplingParams
 
 
@@ -37,6 +38,8 @@ class Request:
     finish_reason: str | None = None
     speculative: bool = False  # decoded with DFLASH steps (its draft context is kept)
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per DFLASH step
+    # one per output token when params.logprobs is set (the first one too, after a handoff)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from common.engine.acceptance import (Acceptance, accept_greedy, accept_sampled,
 from common.engine.cuda_graph import CudaGraphConfig, GraphRunner, recorded_event
 from common.engine.draft_graph import DraftGraphRunner
 from common.engine.request import Request
+from common.logprobs import TokenLogprobs, logprobs_per_row
 from common.model.dflash import DFlashDraftModel, DraftKVPool
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM
@@ -27,11 +28,14 @@ from common.model.qwen3_5 import HybridForCausalLM
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What one request got from a step: ``acceptance.commit_len`` tokens in ``tokens``."""
+    """What one request got from a step: ``acceptance.commit_len`` tokens in ``tokens``, and
+    their log-probabilities when the request asks for them (the target's, at each token's
+    position of the verified block)."""
 
     request: Request
     tokens: list[int]
     acceptance: Acceptance
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class DFlashSpeculator:
@@ -164,13 +168,25 @@ class DFlashSpeculator:
         if drafts_copied is not None:
             drafts_copied.synchronize()  # long done: acceptance read the host after it
         outcomes = []
-        for r, d, a in zip(requests, drafts_host.tolist(), accepted):
+        for i, (r, d, a) in enumerate(zip(requests, drafts_host.tolist(), accepted)):
             r.num_cached += a.commit_len
-            outcomes.append(StepOutcome(r, d[:a.num_accepted] + [a.bonus], a))
+            tokens = d[:a.num_accepted] + [a.bonus]
+            outcomes.append(StepOutcome(r, tokens, a, self._logprobs(r, logits[i], tokens)))
         self.stats["spec_steps"] += n
         self.stats["spec_committed_tokens"] += sum(commits)
         self.stats["spec_drafted_tokens"] += n * (b - 1)
         return outcomes
+
+    @staticmethod
+    def _logprobs(r: Request, logits: torch.Tensor,
+                  tokens: list[int]) -> list[TokenLogprobs] | None:
+        """The committed ``tokens``' log-probabilities from the request's verify ``logits``
+        [B, V]: row j is the target's distribution at the block's position j."""
+        if r.params.logprobs is None:
+            return None
+        return logprobs_per_row(logits[:len(tokens)],
+                                torch.tensor(tokens, device=logits.device),
+                                [r.params.logprobs] * len(tokens))
 
     def _accept(self, requests, drafts, logits, seed_for) -> list[Acceptance]:
         """Acceptance of a batch with sampled requests (greedy rows by argmax, the others by

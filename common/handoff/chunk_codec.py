@@ -78,12 +78,14 @@ def encode_chunk(field: str, layer: int, offset: int, data) -> bytes:
 
 @dataclass(frozen=True)
 class RawChunk:
-    """A decoded chunk; ``data`` is a read-only view into the message it came from."""
+    """A decoded chunk; ``data`` is a read-only view into the message it came from, starting at
+    byte ``data_start`` of it (the message's length when the chunk has no data)."""
 
     field: str
     layer: int
     offset: int
     data: memoryview
+    data_start: int = 0
 
 
 def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
@@ -138,7 +140,7 @@ def decode_chunk(message: bytes | memoryview) -> RawChunk | None:
                 size, pos = _read_varint(buf, pos, end)
                 if pos + size > end:
                     return None
-                value: object = buf[pos:pos + size]
+                value: object = (buf[pos:pos + size], pos)
                 pos += size
             elif number in (_LAYER, _OFFSET) and wire_type == _VARINT:
                 value, pos = _read_varint(buf, pos, end)
@@ -150,9 +152,10 @@ def decode_chunk(message: bytes | memoryview) -> RawChunk | None:
             if number in seen:
                 return None
             seen[number] = value
-        name = bytes(seen.get(_FIELD, b"")).decode("utf-8")
+        name = bytes(seen.get(_FIELD, (b"", 0))[0]).decode("utf-8")
     except (IndexError, ValueError):  # truncated, overlong or not UTF-8: protobuf reports it
         return None
-    data = seen.get(_DATA, memoryview(b""))
+    data, data_start = seen.get(_DATA, (memoryview(b""), end))
     return RawChunk(field=name, layer=seen.get(_LAYER, 0) & _U32,
-                    offset=seen.get(_OFFSET, 0) & _U64, data=data.toreadonly())
+                    offset=seen.get(_OFFSET, 0) & _U64, data=data.toreadonly(),
+                    data_start=data_start)

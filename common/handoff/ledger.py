@@ -1,88 +1,77 @@
-"""Which bytes of a payload arrived, and their CRC-32.
+"""Which bytes of a payload arrived, and their CRC-32C.
 
-Chunks may arrive in any order, so the receiver keeps one CRC per chunk and, at the trailer,
-folds them in (layer, offset) order with ``crc32_combine``. The result equals ``zlib.crc32`` over
-the field's bytes in order, which is what the sender computed, and the receiver never reads its
-destination memory back (it may be on the GPU).
+Chunks may arrive in any order and land on several threads at once, so a receiver claims each
+chunk's byte range as the chunk arrives (overlaps are refused there, before any byte is
+written), records its CRC once it has landed, and at the trailer folds the CRCs in (layer,
+offset) order with ``crc32c_combine``. The result equals ``crc32c`` over the field's bytes in
+order, which is what the sender computed, and the receiver never reads its destination memory
+back (it may be on the GPU).
+
+``message_payload_crc`` is how both ends checksum a chunk: over the encoded message, whose
+``bytes`` google-crc32c reads with the GIL released, then the message's few prefix bytes
+stripped. A worker thread checksumming 4 MiB thus leaves the event loop free.
 """
 
 from __future__ import annotations
 
 import bisect
-import zlib
 from dataclasses import dataclass, field
 
+from common.handoff.checksum import crc32c, crc32c_combine, crc32c_strip_prefix
 from common.handoff.errors import HandoffError
 
-_POLY = 0xEDB88320  # reflected CRC-32 polynomial of zlib
-# _ZEROS_OPS[k]: the GF(2) operator (32 column words) that advances a CRC over 2**k zero bytes.
-_ZEROS_OPS: list[list[int]] = []
 
-
-def _times(op: list[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= op[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _square(op: list[int]) -> list[int]:
-    return [_times(op, col) for col in op]
-
-
-def _zeros_op(k: int) -> list[int]:
-    if not _ZEROS_OPS:
-        op = [_POLY] + [1 << n for n in range(31)]  # one zero bit
-        for _ in range(3):                           # -> 2, 4, 8 bits = one byte
-            op = _square(op)
-        _ZEROS_OPS.append(op)
-    while len(_ZEROS_OPS) <= k:
-        _ZEROS_OPS.append(_square(_ZEROS_OPS[-1]))
-    return _ZEROS_OPS[k]
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """``zlib.crc32(a + b)`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len2 = len(b)``
-    (zlib's own crc32_combine, which Python's zlib does not expose)."""
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _times(_zeros_op(k), crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
+def message_payload_crc(message: bytes, payload_start: int) -> int:
+    """``crc32c(message[payload_start:])``, computed over the whole ``message`` (GIL released
+    for ``bytes`` of 1 MiB and more) and the prefix stripped."""
+    if not 0 <= payload_start <= len(message):
+        raise ValueError(f"payload_start {payload_start} is outside a message of "
+                         f"{len(message)} bytes")
+    prefix = memoryview(message)[:payload_start]
+    return crc32c_strip_prefix(crc32c(message), crc32c(prefix), len(message) - payload_start)
 
 
 @dataclass
 class LayerLedger:
-    """Byte ranges received for one layer of one field, sorted by offset, each with its CRC."""
+    """Byte ranges of one layer of one field, sorted by offset, each with its CRC-32C (None
+    while the range is claimed and its bytes are still landing)."""
 
     nbytes: int
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
-    crcs: list[int] = field(default_factory=list)
+    crcs: list[int | None] = field(default_factory=list)
 
-    def add(self, start: int, data: bytes, where: str) -> None:
-        """Record ``data`` at ``start``; INVALID_ARGUMENT if it overlaps bytes received before."""
-        end = start + len(data)
+    def claim(self, start: int, nbytes: int, where: str) -> None:
+        """Take ``[start, start + nbytes)`` for a chunk about to land; INVALID_ARGUMENT if it
+        overlaps a range claimed before."""
+        end = start + nbytes
         i = bisect.bisect_left(self.starts, start)
         if (i > 0 and self.ends[i - 1] > start) or (i < len(self.starts) and self.starts[i] < end):
             raise HandoffError("INVALID_ARGUMENT",
                                f"{where}: bytes [{start}, {end}) overlap bytes received before")
         self.starts.insert(i, start)
         self.ends.insert(i, end)
-        self.crcs.insert(i, zlib.crc32(data))
+        self.crcs.insert(i, None)
+
+    def record(self, start: int, crc: int) -> None:
+        """The CRC-32C of the range claimed at ``start``, once its bytes have landed."""
+        i = bisect.bisect_left(self.starts, start)
+        if i == len(self.starts) or self.starts[i] != start:
+            raise ValueError(f"no range was claimed at offset {start}")
+        self.crcs[i] = crc
+
+    def add(self, start: int, data, where: str) -> None:
+        """Claim and record ``data`` at ``start`` in one go (bytes checksummed here)."""
+        self.claim(start, len(data), where)
+        self.record(start, crc32c(data))
 
     def fold(self, crc: int, where: str) -> int:
         """Extend ``crc`` with this layer's bytes; DATA_LOSS if any byte is missing."""
         pos = 0
         for start, end, piece in zip(self.starts, self.ends, self.crcs):
-            if start != pos:
+            if start != pos or piece is None:
                 break
-            crc = crc32_combine(crc, piece, end - start)
+            crc = crc32c_combine(crc, piece, end - start)
             pos = end
         if pos != self.nbytes:
             raise HandoffError("DATA_LOSS", f"{where}: bytes missing from offset {pos} "

@@ -11,6 +11,7 @@ from typing import Union
 
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.manifest import FieldSpec
+from common.logprobs import TokenLogprobs
 from common.sampling import SamplingParams
 
 
@@ -61,11 +62,13 @@ class PoolCopyPart:
 
 @dataclass(frozen=True)
 class TrailerPart:
-    """CRC-32 (``zlib.crc32``) of each field's bytes, concatenated in (layer, offset) order, and
+    """CRC-32C (``common.handoff.checksum.crc32c``) of each field's bytes, concatenated in (layer, offset) order, and
     the first token prefill sampled (None only in a malformed trailer)."""
 
     checksums: dict[str, int] = field(default_factory=dict)
     first_token: int | None = None
+    # the first token's log-probabilities, when the request asks for them
+    first_logprobs: TokenLogprobs | None = None
 
 
 HandoffPart = Union[HeaderPart, ChunkPart, PoolCopyPart, TrailerPart]

@@ -9,6 +9,7 @@ import torch
 
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.manifest import FieldSpec, validate_manifest
+from common.logprobs import TokenLogprobs
 from common.sampling import SamplingParams
 
 
@@ -31,6 +32,7 @@ class HandoffPayload:
       ssm_state   [num_gdn_layers, HV, V, K] float32 (layout.state_layout)
       and, only when present, dflash_context, logprobs, top_k (shape declared by the tensor).
     ``speculative`` is the request's choice of speculative decoding; None lets decode decide.
+    ``first_logprobs``: the first token's log-probabilities, when ``sampling.logprobs`` asks.
     """
 
     handoff_id: int
@@ -42,6 +44,7 @@ class HandoffPayload:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     speculative: bool | None = None
     request_id: str = ""
+    first_logprobs: TokenLogprobs | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -23,8 +23,8 @@ class Reservation(Protocol):
     Invariants: the assembler calls ``write`` only with byte ranges it has checked (inside one
     layer of a declared field, never overlapping an earlier write), then exactly one of
     ``commit`` (every byte arrived and every checksum matched; ownership passes to the caller) or
-    ``release`` (any failure or abort). ``write`` may be called from a thread other than the one
-    that reserved, one call at a time.
+    ``release`` (any failure or abort). ``write`` may be called from threads other than the one
+    that reserved, several at once for disjoint ranges; ``release`` waits for writes running.
     """
 
     def write(self, field: str, layer: int, offset: int, data: bytes | memoryview) -> None:

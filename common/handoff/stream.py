@@ -1,18 +1,18 @@
 """A payload as a sequence of parts (sender), and the receiver's state machine that checks them.
 
 Sender: ``split_payload`` yields a header, chunks of at most ``chunk_bytes``, and a trailer of
-per-field CRC-32s. Receiver: ``HandoffAssembler`` validates each part as it arrives and writes chunk
+per-field CRC-32Cs. Receiver: ``HandoffAssembler`` validates each part as it arrives and writes chunk
 bytes straight into a ``Reservation``; every refusal is a ``HandoffError`` whose code is the gRPC
 status to answer with (docs/protocol.md), and every refusal releases the reservation exactly once.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from common.handoff.checksum import crc32c
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.ledger import LayerLedger
@@ -21,6 +21,7 @@ from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, PoolCopyPar
 from common.handoff.pool_copies import PoolCopyLedger
 from common.handoff.payload import HandoffPayload
 from common.handoff.reservation import InMemoryReservation, Reservation
+from common.logprobs import TokenLogprobs, check_asked
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # well under gRPC's 4 MiB default message limit
 _MAX_HANDOFF_ID = (1 << 64) - 1
@@ -49,10 +50,11 @@ def split_payload(payload: HandoffPayload,
             data = _layer_bytes(tensor, layer)  # one layer at a time bounds host staging memory
             for offset in range(0, len(data), chunk_bytes):
                 piece = bytes(data[offset:offset + chunk_bytes])
-                crc = zlib.crc32(piece, crc)
+                crc = crc32c(piece, crc)
                 yield ChunkPart(field=name, layer=layer, offset=offset, data=piece)
         checksums[name] = crc
-    yield TrailerPart(checksums=checksums, first_token=payload.first_token)
+    yield TrailerPart(checksums=checksums, first_token=payload.first_token,
+                      first_logprobs=payload.first_logprobs)
 
 
 def header_of(payload: HandoffPayload) -> HeaderPart:
@@ -95,6 +97,7 @@ class HandoffAssembler:
         self._copies: PoolCopyLedger | None = None
         self.bytes_received = 0
         self.first_token: int | None = None  # from the verified trailer
+        self.first_logprobs: TokenLogprobs | None = None  # likewise, when the request asks
 
     @property
     def header(self) -> HeaderPart | None:
@@ -182,11 +185,41 @@ class HandoffAssembler:
 
     def on_chunk(self, chunk: ChunkPart) -> None:
         """Check the chunk's address and write its bytes into the reservation."""
+        self.claim_chunk(chunk)
+        self.record_chunk(chunk, self.land_chunk(chunk))
+
+    def claim_chunk(self, chunk: ChunkPart) -> None:
+        """Check the chunk's address and claim its bytes (refusing an overlap), before they
+        land. A receiver landing chunks on other threads calls this, then ``land_chunk`` on a
+        thread, then ``record_chunk`` with its result, all but ``land_chunk`` on the thread
+        that feeds the assembler; the trailer may come only once every chunk is recorded."""
         self._expect("chunks", "a chunk")
         try:
-            self._write(chunk)
+            spec = self._check_address(chunk)
+            ledger = self._ledgers.setdefault((chunk.field, chunk.layer),
+                                              LayerLedger(spec.layer_nbytes))
+            ledger.claim(chunk.offset, len(chunk.data),
+                         f"chunk of field {chunk.field!r} layer {chunk.layer}")
         except BaseException as err:
             self._fail(err)
+
+    def land_chunk(self, chunk: ChunkPart, crc: int | None = None) -> int:
+        """Write a claimed chunk's bytes into the reservation; returns their CRC-32C (``crc``
+        when the caller computed it from the message). Safe on any thread, concurrently with
+        other chunks' landing; ABORTED once the handoff was closed. Raising here does not close
+        the assembler: the feeding thread gets the error and calls ``abort``."""
+        reservation = self._reservation
+        if reservation is None or self._state != "chunks":
+            raise HandoffError("ABORTED", "the handoff was closed while its chunks landed")
+        if crc is None:
+            crc = crc32c(chunk.data)
+        reservation.write(chunk.field, chunk.layer, chunk.offset, chunk.data)
+        return crc
+
+    def record_chunk(self, chunk: ChunkPart, crc: int) -> None:
+        """A claimed chunk has landed with CRC-32C ``crc``."""
+        self._expect("chunks", "a landed chunk")
+        self._ledgers[(chunk.field, chunk.layer)].record(chunk.offset, crc)
         self.bytes_received += len(chunk.data)
 
     def on_trailer(self, trailer: TrailerPart) -> None:
@@ -196,6 +229,10 @@ class HandoffAssembler:
             manifest = self._header.manifest
             if trailer.first_token is None:
                 raise HandoffError("INVALID_ARGUMENT", "trailer lacks the first token")
+            try:
+                check_asked(trailer.first_logprobs, self._header.sampling.logprobs)
+            except ValueError as exc:
+                raise HandoffError("INVALID_ARGUMENT", f"trailer: {exc}") from None
             copied = self._copies.fields if self._copies is not None else set()
             streamed = set(manifest) - copied
             if set(trailer.checksums) != streamed:
@@ -212,12 +249,13 @@ class HandoffAssembler:
                     ledger = self._ledgers.get((name, layer), LayerLedger(spec.layer_nbytes))
                     crc = ledger.fold(crc, f"field {name!r} layer {layer}")
                 if crc != trailer.checksums[name]:
-                    raise HandoffError("DATA_LOSS", f"field {name!r}: crc32 {crc:#010x} of the "
+                    raise HandoffError("DATA_LOSS", f"field {name!r}: crc32c {crc:#010x} of the "
                                        f"bytes received, trailer says "
                                        f"{trailer.checksums[name]:#010x}")
         except BaseException as err:
             self._fail(err)
         self.first_token = trailer.first_token
+        self.first_logprobs = trailer.first_logprobs
         self._state = "verified"
 
     def on_end(self) -> Reservation:
@@ -270,7 +308,8 @@ class HandoffAssembler:
         if reservation is not None:
             reservation.release()
 
-    def _write(self, chunk: ChunkPart) -> None:
+    def _check_address(self, chunk: ChunkPart):
+        """The chunk's field spec, once its field, layer and byte range are in bounds."""
         spec = self._header.manifest.get(chunk.field)
         where = f"chunk of field {chunk.field!r} layer {chunk.layer}"
         if self._copies is not None and chunk.field in self._copies.fields:
@@ -284,10 +323,7 @@ class HandoffAssembler:
         if not chunk.data or chunk.offset < 0 or end > spec.layer_nbytes:
             raise HandoffError("INVALID_ARGUMENT", f"{where}: bytes [{chunk.offset}, {end}) are "
                                f"empty or outside the layer's {spec.layer_nbytes} bytes")
-        key = (chunk.field, chunk.layer)
-        ledger = self._ledgers.setdefault(key, LayerLedger(spec.layer_nbytes))
-        ledger.add(chunk.offset, chunk.data, where)
-        self._reservation.write(chunk.field, chunk.layer, chunk.offset, chunk.data)
+        return spec
 
 
 def assemble_payload(parts: Iterable[HandoffPart], *, max_bytes: int = 1 << 62,
@@ -320,4 +356,4 @@ def assemble_payload(parts: Iterable[HandoffPart], *, max_bytes: int = 1 << 62,
                           layout=first.layout, prompt_ids=first.prompt_ids,
                           first_token=assembler.first_token, sampling=first.sampling,
                           fields=reservations[0].tensors, speculative=first.speculative,
-                          request_id=first.request_id)
+                          request_id=first.request_id, first_logprobs=assembler.first_logprobs)

@@ -25,6 +25,7 @@ from common.model.kernels import Kernels
 from common.model.layers import DenseMLP, Linear, _param
 from common.model.loader import WeightLoadError, _checkpoint_files, _iter_tensors
 from common.model.qwen3_5 import HybridForCausalLM
+from common.model.registry import resolve_draft
 from common.ops.rope.reference import rope_inv_freq
 
 
@@ -300,11 +301,13 @@ def load_draft_weights(model: DFlashDraftModel, checkpoint_dir: str | Path) -> N
 
 def load_draft(name_or_path: str, target: HybridForCausalLM, *, dtype: torch.dtype | None = None,
                kernels: Kernels | None = None) -> DFlashDraftModel:
-    """Build the draft for ``target``: the built-in ``"tiny"`` (pairs with the tiny target) or
-    a z-lab checkpoint directory. Built on the target's device, in ``dtype`` (default: the
+    """Build the draft for ``target``: the built-in ``"tiny"`` (pairs with the tiny target), a
+    built-in trained checkpoint's draft by its name (``common/model/registry.py``), or a z-lab
+    checkpoint directory. Built on the target's device, in ``dtype`` (default: the
     target's). The caller turns on the capture it needs:
     ``target.set_dflash_layers_to_capture(draft.config.target_layer_ids)``.
     """
+    name_or_path = resolve_draft(name_or_path)
     if name_or_path == TINY_NAME:
         config = DFlashConfig.from_dict(dict(TINY_DRAFT_CONFIG), target=target.config)
     elif Path(name_or_path).is_dir():

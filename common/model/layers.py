@@ -7,10 +7,11 @@ through the :class:`~common.model.kernels.Kernels` chosen when the model was bui
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.cache.kv_pool import KVPool
@@ -34,6 +35,9 @@ class ForwardContext:
     kernels: Kernels
     inv_freq: torch.Tensor
     verify: VerifyBuffers | None = None  # where a VERIFY forward records its GDN inputs
+    # called with each layer's index once its work is queued (a prefill worker records a CUDA
+    # event there, so its handoff reads each layer as soon as it has run)
+    after_layer: Callable[[int], None] | None = None
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,5 @@
-"""Build a model by name or path: the built-in ``tiny`` or a safetensors checkpoint."""
+"""Build a model by name or path: the built-in ``tiny``, a built-in trained checkpoint by name
+(``common/model/registry.py``), or a safetensors checkpoint directory."""
 
 from __future__ import annotations
 
@@ -11,18 +12,20 @@ from common.model.builtin import TINY_NAME, fill_deterministic, tiny_config
 from common.model.kernels import Kernels
 from common.model.loader import load_weights
 from common.model.qwen3_5 import HybridForCausalLM, model_class_for
+from common.model.registry import resolve_model
 
 
 def load_config(name_or_path: str) -> ModelConfig:
     if name_or_path == TINY_NAME:
         return tiny_config()
-    return ModelConfig.from_pretrained(name_or_path)
+    return ModelConfig.from_pretrained(resolve_model(name_or_path))
 
 
 def load_model(name_or_path: str, *, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu", kernels: Kernels | None = None,
                progress: bool = False) -> HybridForCausalLM:
     """Build the model on ``device`` and fill its weights (streamed, one tensor at a time)."""
+    name_or_path = resolve_model(name_or_path)
     config = load_config(name_or_path)
     if name_or_path != TINY_NAME and not Path(name_or_path).is_dir():
         raise FileNotFoundError(f"model {name_or_path!r} is neither 'tiny' nor a directory")
@@ -42,7 +45,7 @@ def weights_identity(name_or_path: str) -> str:
     if name_or_path == TINY_NAME:
         from common.model.builtin import TINY_SEED
         return f"builtin:{TINY_NAME}:{TINY_SEED}"
-    files = sorted(Path(name_or_path).glob("*.safetensors"))
+    files = sorted(Path(resolve_model(name_or_path)).glob("*.safetensors"))
     return ";".join(f"{f.name}:{f.stat().st_size}" for f in files)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from safetensors import safe_open
 
 from common.config import ModelConfig
+from common.progress import progress_bar
 
 SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 WRAPPER_PREFIX = "model.language_model."
@@ -129,34 +129,6 @@ def _checkpoint_files(checkpoint_dir: Path) -> dict[Path, list[str]]:
     raise WeightLoadError(f"no {SINGLE_FILE} or {INDEX_FILE} in {checkpoint_dir}")
 
 
-def _progress(total: int, enabled: bool) -> Callable[[], None]:
-    """A tick() that advances a stderr progress bar (tqdm when available) or does nothing."""
-    if not enabled:
-        return lambda: None
-    try:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr)
-
-        def tick():
-            bar.update()
-            if bar.n >= total:
-                bar.close()
-
-        return tick
-    except ImportError:
-        count = [0]
-
-        def tick():
-            count[0] += 1
-            if count[0] == total or count[0] % 64 == 0:
-                end = "\n" if count[0] == total else ""
-                print(f"\rLoading weights: {count[0]}/{total}", end=end, file=sys.stderr,
-                      flush=True)
-
-        return tick
-
-
 def _iter_tensors(files: dict[Path, list[str]]
                   ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     """(name, read) per tensor: each shard is opened once, and a tensor is read only when asked
@@ -185,11 +157,12 @@ def load_weights(params: dict[str, torch.Tensor], checkpoint_dir: str | Path, co
     tied = config.tie_word_embeddings or (LM_HEAD in params and EMBED in params
                                           and params[LM_HEAD] is params[EMBED])
     covered: dict[str, set] = defaultdict(set)
-    tick = _progress(sum(len(names) for names in files.values()), progress)
+    bar = progress_bar(sum(len(names) for names in files.values()), "Loading weights",
+                       "tensor", enabled=progress)
 
-    with torch.no_grad():
+    with torch.no_grad(), bar:
         for raw_name, read in _iter_tensors(files):
-            tick()
+            bar.update()
             if raw_name.startswith(SKIP_PREFIXES):
                 continue
             name = ("model." + raw_name[len(WRAPPER_PREFIX):]

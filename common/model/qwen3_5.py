@@ -8,6 +8,7 @@ that holds a wrapper never reaches inside it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,8 @@ class HybridModel(nn.Module):
             x, residual = layer(x, residual, ctx)
             if i in wanted:
                 captured[i] = x + residual
+            if ctx.after_layer is not None:
+                ctx.after_layer(i)
         x = x + residual
         aux = (torch.cat([captured[i] for i in self.capture_layer_ids], dim=-1)
                if self.capture_layer_ids else None)
@@ -187,12 +190,15 @@ class HybridForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, kv_pool: KVPool | None,
-                state_pool: GDNStatePool | None) -> ModelOutput:
+                state_pool: GDNStatePool | None,
+                after_layer: Callable[[int], None] | None = None) -> ModelOutput:
+        """``after_layer(i)``: called once layer ``i``'s work is queued (``ForwardContext``)."""
         verify = None
         if batch.mode == ForwardMode.VERIFY and state_pool is not None:
             verify = state_pool.begin_verify(batch)
         ctx = ForwardContext(batch=batch, kv_pool=kv_pool, state_pool=state_pool,
-                             kernels=self.kernels, inv_freq=self.inv_freq, verify=verify)
+                             kernels=self.kernels, inv_freq=self.inv_freq, verify=verify,
+                             after_layer=after_layer)
         hidden, aux = self.model(ctx)
         logits = self.compute_logits(hidden[batch.logits_positions])
         return ModelOutput(logits=logits, aux_hidden_states=aux)

@@ -11,25 +11,21 @@ import asyncio
 import os
 import sys
 
+from common.cli_help import HelpFormatter
 from common.security import API_KEY_ENV, add_client_args
 from common.tls import TlsFiles
 from router.bench.config import BenchConfig, LengthDist, parse_loads
-
-
-class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default, except None and False (their help says what happens)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or action.default is False:
-            return action.help or ""
-        return super()._get_help_string(action)
 
 
 def add_bench_parser(sub) -> None:
     """The ``bench`` subcommand, on the ``flashsplit`` command's subparsers."""
     b = sub.add_parser(
         "bench", help="serving benchmark against a router (gRPC) or any OpenAI-compatible "
-                      "server", formatter_class=_HelpWithDefaults)
+                      "server",
+        description="Drive a router (gRPC) or any OpenAI-compatible server at fixed "
+                    "concurrencies or Poisson request rates; print latency percentiles and "
+                    "throughput per load point, write JSON and a plot (docs/bench.md).",
+        formatter_class=HelpFormatter)
     b.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
                    help="which API to drive")
     b.add_argument("--url", required=True,

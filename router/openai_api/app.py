@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API as a FastAPI app over the router's ``Generation``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (unary, or streamed as
-server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. Requests
+server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, and
+``GET /metrics`` (the router's Prometheus metrics, docs/metrics.md). Requests
 run through the same ``Generation`` as the gRPC API (validation, tokenization, dispatch, stop
 strings), so the same request gives the same tokens on both.
 
@@ -27,10 +28,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.chat_template import ChatTemplate, ChatTemplateError
+from common.metrics.server import exposition
 from router.dispatch import DispatchError
 from router.generation import Generation
 from router.openai_api.choices import Choice, run_choices
 from router.openai_api.errors import ApiError, invalid
+from router.openai_api.logprobs import ChoiceLogprobs
 from router.openai_api.protocol import (ChatCompletionRequest, CompletionRequest,
                                         GenerationFields, template_messages)
 from router.openai_api.responses import DONE, ChunkWriter, FinishedChoice, Head, unary
@@ -121,6 +124,12 @@ class OpenAIApi:
             raise ApiError(Code.UNAVAILABLE, reason)
         return JSONResponse({"status": "ok"})
 
+    async def metrics(self, request: Request) -> Response:
+        # no API key, as /health: scrapers carry none, and the numbers hold no request's content
+        body, content_type = exposition(self.generation.metrics.registry,
+                                        request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
     async def models(self, request: Request) -> Response:
         self.check_key(request)
         ctx = self.generation.model.max_context_len
@@ -205,10 +214,13 @@ class OpenAIApi:
         # n choices of one prompt count its tokens once, as OpenAI does
         prompt_tokens = sum(len(c.job.prompt_ids) for c in choices if c.index % n == 0)
         stream = run_choices(self.generation, choices)
+        # a formatter per choice (a streamed completion's text_offset runs across its chunks)
+        formats = {c.index: ChoiceLogprobs(self.generation.tokenizer, head.chat)
+                   for c in choices} if req.num_logprobs() is not None else {}
         if not req.stream:
             body = await _until_disconnected(
                 request, self._collect(stream, head, choices, prompt_tokens,
-                                       req.return_token_ids))
+                                       req.return_token_ids, formats))
             return JSONResponse(body)
         try:
             first = await _until_disconnected(request, anext(stream))
@@ -218,12 +230,14 @@ class OpenAIApi:
             await stream.aclose()
             raise
         writer = ChunkWriter(head, req.include_usage(), req.return_token_ids)
-        return StreamingResponse(self._events(stream, first, writer, choices, prompt_tokens),
+        return StreamingResponse(self._events(stream, first, writer, choices, prompt_tokens,
+                                              formats),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     async def _collect(self, stream: AsyncIterator, head: Head, choices: list[Choice],
-                       prompt_tokens: int, token_ids: bool) -> dict:
+                       prompt_tokens: int, token_ids: bool,
+                       formats: dict[int, ChoiceLogprobs]) -> dict:
         finish: dict[int, str] = {}
         try:
             async with contextlib.aclosing(stream) as deltas:
@@ -233,11 +247,14 @@ class OpenAIApi:
         except DispatchError as exc:
             raise ApiError(exc.code, exc.message) from None
         done = [FinishedChoice(c.index, c.tracker.text, finish[c.index],
-                               tuple(c.tracker.token_ids), c.job.prompt_ids) for c in choices]
+                               tuple(c.tracker.token_ids), c.job.prompt_ids,
+                               formats[c.index].format(c.tracker.token_ids, c.tracker.logprobs)
+                               if formats else None) for c in choices]
         return unary(head, done, prompt_tokens, token_ids)
 
     async def _events(self, stream: AsyncIterator, first: tuple, writer: ChunkWriter,
-                      choices: list[Choice], prompt_tokens: int) -> AsyncIterator[str]:
+                      choices: list[Choice], prompt_tokens: int,
+                      formats: dict[int, ChoiceLogprobs]) -> AsyncIterator[str]:
         try:
             for c in choices:
                 if event := writer.start(c.index, c.job.prompt_ids):
@@ -245,8 +262,10 @@ class OpenAIApi:
             item = first
             while item is not None:
                 index, delta = item
+                logprobs = formats[index].format(delta.token_ids, delta.logprobs) \
+                    if formats and delta.token_ids else None
                 if event := writer.delta(index, delta.text, delta.token_ids,
-                                         delta.finish_reason):
+                                         delta.finish_reason, logprobs):
                     yield event
                 item = await anext(stream, None)
             if event := writer.usage(prompt_tokens,
@@ -266,6 +285,7 @@ def create_app(api: OpenAIApi) -> FastAPI:
     """The ASGI app serving ``api``'s routes, with every error in OpenAI's shape."""
     app = FastAPI(title="flashsplit", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])

@@ -5,8 +5,7 @@ rest of the context for chat), plus the extensions vLLM and SGLang accept (``top
 ``stop_token_ids``, ``ignore_eos``, ``chat_template_kwargs``, ``add_generation_prompt``,
 ``return_token_ids``) and flashsplit's ``speculative``. Unknown fields are ignored, as
 OpenAI-compatible servers do; fields that are known but cannot be honoured yet
-(log-probabilities, penalties, tools, ...) are refused with a 400 that says so, never silently
-dropped.
+(penalties, tools, ...) are refused with a 400 that says so, never silently dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import Any
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.logprobs import MAX_LOGPROBS
 from common.sampling import SamplingParams
 from router.openai_api.errors import ApiError, invalid, not_supported
 
@@ -87,12 +87,17 @@ class GenerationFields(BaseModel):
         if self.logit_bias:
             raise not_supported("logit_bias", "logit_bias")
 
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the request asks for; None: no log-probabilities."""
+        return None
+
     def sampling(self, max_tokens: int, choice: int) -> SamplingParams:
         """The choice's sampling settings; unset fields take SamplingParams' defaults.
 
         With a seed, choice i samples with seed + i, so choice 0 is what n=1 gives.
         """
-        values: dict[str, Any] = {"max_new_tokens": max_tokens, "ignore_eos": self.ignore_eos}
+        values: dict[str, Any] = {"max_new_tokens": max_tokens, "ignore_eos": self.ignore_eos,
+                                  "logprobs": self.num_logprobs()}
         for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
@@ -130,9 +135,11 @@ class CompletionRequest(GenerationFields):
             raise invalid("prompt is empty", "prompt")
         return out
 
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
     def check(self) -> None:
-        if self.logprobs is not None:
-            raise not_supported("logprobs", "logprobs")
+        _check_range(self.logprobs, "logprobs")
         if self.echo:
             raise not_supported("echo", "echo")
         if self.suffix:
@@ -147,7 +154,7 @@ class ChatCompletionRequest(GenerationFields):
 
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
@@ -155,9 +162,13 @@ class ChatCompletionRequest(GenerationFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check(self) -> None:
-        if self.logprobs or self.top_logprobs:
-            raise not_supported("logprobs", "logprobs" if self.logprobs else "top_logprobs")
+        _check_range(self.top_logprobs, "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools:
             raise not_supported("tool calling", "tools")
         if self.tool_choice not in (None, "none"):
@@ -178,6 +189,11 @@ class ChatCompletionRequest(GenerationFields):
             if value is not None:
                 return value
         return max(rest_of_context, 1)
+
+
+def _check_range(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise invalid(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}", param)
 
 
 def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -5,7 +5,9 @@ of chunks (``text_completion`` / ``chat.completion.chunk``) sent as server-sent 
 ``data: <json>`` and a blank line, ending with ``data: [DONE]``. With
 ``stream_options.include_usage`` every chunk carries ``"usage": null`` and one more chunk with no
 choices carries the usage, as OpenAI sends it. ``return_token_ids`` (a vLLM extension) adds each
-choice's token ids (``token_ids``, and ``prompt_token_ids`` once).
+choice's token ids (``token_ids``, and ``prompt_token_ids`` once). With log-probabilities asked
+for, each choice (and each chunk with tokens) carries its ``logprobs`` object
+(``router/openai_api/logprobs.py``); otherwise ``logprobs`` is null.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class FinishedChoice:
     finish_reason: str
     token_ids: tuple[int, ...]
     prompt_token_ids: tuple[int, ...]
+    logprobs: dict | None = None  # the choice's logprobs object, when asked for
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -63,7 +66,7 @@ def unary(head: Head, choices: Sequence[FinishedChoice], prompt_tokens: int,
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
             choice["text"] = c.text
-        choice.update(logprobs=None, finish_reason=c.finish_reason)
+        choice.update(logprobs=c.logprobs, finish_reason=c.finish_reason)
         if token_ids:
             choice.update(token_ids=list(c.token_ids), prompt_token_ids=list(c.prompt_token_ids))
         out.append(choice)
@@ -96,16 +99,18 @@ class ChunkWriter:
         return self._event(choice)
 
     def delta(self, index: int, text: str, token_ids: Sequence[int],
-              finish_reason: str | None) -> str:
-        """Events for new text (none when there is nothing to say) and, at the end, the finish."""
+              finish_reason: str | None, logprobs: dict | None = None) -> str:
+        """Events for new text or tokens (none when there is nothing to say) and, at the end,
+        the finish. ``logprobs``: the object for this delta's tokens, when asked for (a chunk
+        carries it even when its text is held back, so no token's entry is lost)."""
         events = []
-        if text or (self.token_ids and token_ids):
+        if text or (token_ids and (self.token_ids or logprobs is not None)):
             choice: dict[str, Any] = {"index": index}
             if self.head.chat:
                 choice["delta"] = {"content": text}
             else:
                 choice["text"] = text
-            choice.update(logprobs=None, finish_reason=None)
+            choice.update(logprobs=logprobs, finish_reason=None)
             if self.token_ids:
                 choice["token_ids"] = list(token_ids)
             events.append(choice)

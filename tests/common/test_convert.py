@@ -11,10 +11,11 @@ from common.config import ModelConfig
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.manifest import FieldSpec
-from common.handoff.parts import HeaderPart
+from common.handoff.parts import HeaderPart, TrailerPart
 from common.handoff.payload import HandoffPayload
 from common.handoff.stream import assemble_payload, split_payload
 from common.load_report import LoadReport
+from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import decode_pb2, types_pb2
 from common.sampling import SamplingParams
 
@@ -133,3 +134,23 @@ def test_empty_handoff_message_and_header_without_layout():
     msg.header.ClearField("layout")
     with pytest.raises(HandoffError):
         convert.handoff_part_from_pb(msg)
+
+
+def test_logprobs_round_trip_in_sampling_and_trailer():
+    params = SamplingParams(logprobs=0)  # 0 is "the chosen token's only", not unset
+    msg = _wire(convert.sampling_to_pb(params))
+    assert msg.HasField("logprobs") and convert.sampling_from_pb(msg) == params
+    assert not _wire(convert.sampling_to_pb(SamplingParams())).HasField("logprobs")
+    with pytest.raises(ValueError, match="logprobs"):
+        convert.sampling_from_pb(types_pb2.SamplingParams(logprobs=21))
+    # float32 on the wire: values that are float32 already come back exactly
+    lp = TokenLogprobs(-0.5, ((3, -0.5), (7, -2.25)))
+    assert convert.logprobs_from_pb(_wire(convert.logprobs_to_pb(lp))) == lp
+    trailer = TrailerPart(checksums={"kv": 5}, first_token=3, first_logprobs=lp)
+    assert convert.handoff_part_from_pb(_wire(convert.handoff_part_to_pb(trailer))) == trailer
+    bare = TrailerPart(checksums={"kv": 5}, first_token=3)
+    assert convert.handoff_part_from_pb(_wire(convert.handoff_part_to_pb(bare))) == bare
+    broken = convert.handoff_part_to_pb(trailer)
+    broken.trailer.first_token_logprobs.top_logprobs.append(-9.0)  # 2 ids, 3 values
+    with pytest.raises(HandoffError, match="top token ids"):
+        convert.handoff_part_from_pb(_wire(broken))

@@ -12,7 +12,7 @@ import torch
 from common import convert
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
-from common.handoff.parts import ChunkPart, HeaderPart, TrailerPart
+from common.handoff.parts import ChunkPart, TrailerPart
 from common.handoff.payload import HandoffPayload
 from common.handoff.stream import split_payload
 from common.model.load import load_model, weights_identity
@@ -210,4 +210,21 @@ def test_cancelled_stream_aborts_the_request(tiny):
             assert await h.free() == before
             load = await h.stub.GetLoad(types_pb2.LoadRequest(), timeout=5)
             assert load.counters["aborted"] == 1  # freed by the abort, not by finishing
+    run(scenario())
+
+
+def test_speculative_decoding_asked_of_a_worker_without_a_draft_is_refused(tiny):
+    async def scenario():
+        async with DecodeHarness(tiny) as h:
+            before = await h.free()
+            payload = dataclasses.replace(h.payload(), speculative=True)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.send(split_payload(payload))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "no draft" in err.value.details() and "--draft" in err.value.details()
+            assert await h.free() == before
+            # left to the worker (unset), or declined, it decodes without speculation
+            for handoff_id, speculative in ((78, None), (79, False)):
+                await h.send(split_payload(dataclasses.replace(
+                    h.payload(handoff_id=handoff_id), speculative=speculative)))
     run(scenario())

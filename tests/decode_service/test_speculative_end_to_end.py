@@ -28,6 +28,7 @@ from common.sampling import SamplingParams
 from common.security import TOKEN_ENV
 from decode_service.server import build_decode_service
 from router.remote import generate, request_to_pb
+from tests.common.engine.test_engine_logprobs import raw_logprobs
 from tests.common.model.checkpoints import make_checkpoint
 from tests.common.model.draft_checkpoints import make_draft_checkpoint
 
@@ -35,7 +36,8 @@ PAGE = 4
 BLOCK = 5
 NEW = 20
 ROOT = Path(__file__).resolve().parents[2]
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
+# with log-probabilities: those of drafted tokens a step accepted are checked too
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True, logprobs=2)
 PROMPTS = [[11, 12, 13], [200, 3, 9, 9, 41, 77, 5, 128, 64, 1, 2], [7] * 6]
 
 
@@ -123,6 +125,12 @@ def test_speculative_greedy_equals_plain_greedy_through_the_router(tmp_path, kin
                     for p in PROMPTS])
                 for p, out in zip(PROMPTS, outs):
                     assert out.token_ids == expected[tuple(p)], (mode, p)
+                    want = raw_logprobs(target, p, out.token_ids)
+                    assert [lp.logprob for lp in out.logprobs] == pytest.approx(
+                        want.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0].tolist(),
+                        abs=1e-4), (mode, p)
+                    assert [[t for t, _ in lp.top] for lp in out.logprobs] == \
+                        want.topk(2).indices.tolist(), (mode, p)
                     # the first token comes from prefill; every later one from a DFLASH step
                     assert sum(out.accept_lengths) >= NEW - 1 and out.accept_lengths
                 seen[mode] = {n for out in outs for n in out.accept_lengths}

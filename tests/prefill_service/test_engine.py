@@ -59,7 +59,7 @@ def test_cancelled_waiters_leave_the_engine_serving(engine):
         await asyncio.gather(*[cancel_after(i + 1, 0.0005 * i) for i in range(24)])
 
     asyncio.run(scenario())
-    first_token = engine.submit(job(1000)).result(30)  # still serving
+    first_token = engine.submit(job(1000)).result(30).token_id  # still serving
     engine.release(1000).result(5)
     assert first_token >= 0 and engine.is_alive
     for _ in range(200):
@@ -82,7 +82,7 @@ def test_a_request_whose_step_fails_gets_an_error_and_the_next_one_runs(engine):
     engine.call(setattr, engine.engine.runner, "run", fail_once).result(5)
     with pytest.raises(RuntimeError, match="prefill failed"):
         engine.submit(job(7)).result(30)
-    first_token = engine.submit(job(8)).result(30)
+    first_token = engine.submit(job(8)).result(30).token_id
     engine.release(8).result(5)
     assert first_token >= 0 and engine.is_alive and full(engine)
 
@@ -91,7 +91,7 @@ def test_progress_reports_each_finished_page_then_the_final_state(engine):
     """Prompt of 9 tokens, pages of 4, chunks of 3: chunk 1 completes no page, chunk 2 the
     first, chunk 3 the prompt (its last page partly filled) and the state."""
     seen = []
-    first_token = engine.submit(job(11), seen.append).result(30)
+    first_token = engine.submit(job(11), seen.append).result(30).token_id
     engine.release(11).result(5)
     assert [r.num_pages for r in seen] == [1, 3]
     assert [r.first_token for r in seen] == [None, first_token]

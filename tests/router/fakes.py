@@ -25,6 +25,15 @@ REPLY_IDS = tuple(REPLY_TEXT.encode("utf-8"))
 FINGERPRINT = "fake-model-fingerprint"
 
 
+def fake_logprobs(position: int, token: int, num_top: int) -> types_pb2.TokenLogprobs:
+    """Made-up log-probabilities of the reply's ``position``-th token: its own is the most
+    likely, then ids counting down from it; the first position's are a very unlikely token."""
+    chosen = -1e6 if position == 0 else -0.25 * position
+    top = [token] + [(token - i) % 256 for i in range(1, num_top)]
+    return types_pb2.TokenLogprobs(logprob=chosen, top_token_ids=top[:num_top],
+                                   top_logprobs=[chosen - i for i in range(num_top)])
+
+
 @dataclass
 class PrefillKnobs:
     fail_with: grpc.StatusCode | None = None   # answer every Prefill with this status
@@ -40,6 +49,7 @@ class DecodeKnobs:
     event_delay_s: float = 0.0
     free_slots: int = 8
     free_pages: int = 64
+    send_logprobs: bool = True                  # False: leave out the ones a request asks for
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):
@@ -57,10 +67,14 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         first = REPLY_IDS[0]
         timings = prefill_pb2.PrefillTimings(queue_s=0.001, prefill_s=0.002, handoff_s=0.003)
         if request.sampling.max_new_tokens == 1:
-            return prefill_pb2.PrefillResponse(
+            response = prefill_pb2.PrefillResponse(
                 handoff_id=request.handoff_id, first_token=first,
                 prompt_len=len(request.prompt_token_ids), timings=timings,
                 finish_reason=types_pb2.FINISH_REASON_LENGTH)
+            if request.sampling.HasField("logprobs"):
+                response.first_token_logprobs.CopyFrom(
+                    fake_logprobs(0, first, request.sampling.logprobs))
+            return response
         header = decode_pb2.HandoffHeader(
             handoff_id=request.handoff_id, model_fingerprint=FINGERPRINT,
             prompt_len=len(request.prompt_token_ids),
@@ -133,10 +147,13 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 if sent and self.knobs.event_delay_s:
                     await asyncio.sleep(self.knobs.event_delay_s)
                 step = out[sent:sent + (1 if sent == 0 else k)]
+                logprobs = [fake_logprobs(sent + i, t, header.sampling.logprobs)
+                            for i, t in enumerate(step)] \
+                    if header.sampling.HasField("logprobs") and self.knobs.send_logprobs else []
                 sent += len(step)
                 yield decode_pb2.TokenEvent(
                     token_ids=step, accept_lengths=[len(step)],
-                    finish_reason=finish if sent == len(out) else 0)
+                    finish_reason=finish if sent == len(out) else 0, logprobs=logprobs)
         except asyncio.CancelledError:
             self.cancelled_streams.append(hid)
             raise

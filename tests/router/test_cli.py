@@ -28,6 +28,20 @@ def test_generate_json_matches_the_engine(capsys):
     assert out["prompt_tokens"] == 3 and out["finish_reason"] in ("stop", "length")
 
 
+def test_generate_json_reports_logprobs_when_asked(capsys):
+    out = run_json(capsys, "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
+                   "--temperature", "0", "--ignore-eos", "--logprobs", "2")
+    (req,) = LLMEngine(load_model("tiny"), EngineConfig()).generate(
+        [[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True,
+                                    logprobs=2))
+    assert out["logprobs"] == [{"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                               for lp in req.logprobs]
+    assert len(out["logprobs"]) == 4 and all(len(lp["top"]) == 2 for lp in out["logprobs"])
+    assert "logprobs" not in run_json(capsys, "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert main(["generate", "--prompt-ids", "1", "--logprobs", "21"]) == 2
+    assert "logprobs" in capsys.readouterr().err
+
+
 def test_generate_text_prompt_and_seeded_sampling_is_reproducible(capsys):
     args = ("--prompt", "héllo", "--max-new-tokens", "8", "--temperature", "0.8",
             "--top-k", "20", "--top-p", "0.9", "--seed", "7")
@@ -41,3 +55,17 @@ def test_generate_rejects_bad_input(capsys):
         main(["generate", "--prompt-ids", "1,x", "--max-new-tokens", "2"])
     assert main(["generate", "--prompt-ids", "999", "--max-new-tokens", "2"]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--draft", "tiny"], ["--block-size", "4"]])
+def test_generate_through_a_router_refuses_draft_flags(capsys, flag):
+    # refused before any call: nothing listens on this address
+    assert main(["generate", "--router", "127.0.0.1:1", "--prompt", "Hi", *flag]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag[0]} is for in-process generation" in err
+    assert "up --draft" in err
+
+
+def test_speculative_on_without_a_draft_is_an_error_in_process(capsys):
+    assert main(["generate", "--prompt", "Hi", "--speculative", "on"]) == 2
+    assert "--speculative on needs --draft" in capsys.readouterr().err

@@ -58,6 +58,15 @@ def test_cluster_serves_generate_cli_and_survives_a_killed_worker():
     assert not any(p.alive() for p in c.workers + [c.router])
 
 
+def test_mem_fraction_is_split_between_the_workers_of_each_device():
+    """(router/memory_shares.py has the rule; this is the plumbing to the processes.)"""
+    config = ClusterConfig(num_prefill=1, num_decode=1, worker_args=("--device", "cuda"),
+                           mem_fraction=0.9, start_timeout_s=60, **FAKES)
+    with Cluster(config) as c:
+        given = [float(w.args[w.args.index("--mem-fraction") + 1]) for w in c.workers]
+    assert given == [0.45, 0.45]  # both on the one GPU
+
+
 def test_worker_dying_at_start_stops_everything_and_reports_its_stderr():
     config = ClusterConfig(num_prefill=1, num_decode=2, worker_args=("--fail-at-start",),
                            start_timeout_s=60, stop_grace_s=2, **FAKES)

@@ -188,11 +188,12 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_request():
 @pytest.mark.parametrize("path,body,status,param,code", [
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", None),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not_supported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "logprobs": True}, 400, "logprobs", "not_supported"),
+                              "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "top_logprobs": 3}, 400, "top_logprobs", "not_supported"),
+                              "top_logprobs": 3}, 400, "top_logprobs", None),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty",
      "not_supported"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
@@ -228,7 +229,7 @@ def test_client_exceptions_bad_json_and_unknown_routes():
     async def body():
         async with serving() as (client, raw, _, _, _):
             with pytest.raises(openai.BadRequestError) as info:
-                await client.completions.create(model="tiny", prompt="x", logprobs=1)
+                await client.completions.create(model="tiny", prompt="x", echo=True)
             assert "not supported yet" in info.value.message
             with pytest.raises(openai.NotFoundError):
                 await client.chat.completions.create(

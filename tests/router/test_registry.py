@@ -129,3 +129,70 @@ def test_answer_to_a_poll_sent_before_a_failure_does_not_revive_the_worker():
     reg.mark_failed("d", "stream broke")
     reg.record_success("d", LoadReport("decode"), asked_at)  # the overlapping poll's answer
     assert not reg.get("d").healthy
+
+
+def test_reconcile_adds_new_workers_unhealthy_and_retires_missing_ones():
+    answers = {"p": LoadReport("prefill"), "d": LoadReport("decode"), "d2": LoadReport("decode")}
+    reg, _, calls = make(answers)
+    asyncio.run(reg.poll_once())
+    reg.reconcile({"p": "prefill", "d2": "decode"})
+    assert [w.address for w in reg.workers()] == ["p", "d2"]
+    assert not reg.get("d2").healthy  # nothing is trusted before it answered
+    assert reg.get("d").healthy  # retired, not down: its row is kept while held
+    assert "d" not in [v.address for v in reg.views()]
+    calls.clear()
+    asyncio.run(reg.poll_once())
+    assert sorted(calls) == ["d2", "p"]  # a retired worker is no longer polled
+    assert reg.get("d2").healthy
+    assert reg.reap() == ["d"]
+    with pytest.raises(KeyError):
+        reg.get("d")
+    reg.record_success("d", LoadReport("decode"))  # a late answer for it is dropped
+    reg.mark_failed("d", "late failure")
+    reg.note_full("d")
+    assert [w.address for w in reg.workers()] == ["p", "d2"]
+
+
+def test_a_held_retired_worker_is_reaped_only_once_released():
+    reg, _, _ = make({"p": LoadReport("prefill"), "d": LoadReport("decode")})
+    asyncio.run(reg.poll_once())
+    unhold = reg.hold("p", "d")
+    reg.reconcile({"p": "prefill"})
+    assert reg.reap() == [] and reg.get("d").holds == 1
+    reg.mark_failed("d", "broke while retired")  # a running request may still blame it
+    assert reg.get("d").last_error == "broke while retired"
+    unhold()
+    unhold()  # idempotent
+    assert reg.get("p").holds == 0
+    assert reg.reap() == ["d"]
+
+
+def test_a_retired_worker_that_comes_back_keeps_its_row():
+    reg, _, _ = make({"p": LoadReport("prefill"), "d": LoadReport("decode")})
+    asyncio.run(reg.poll_once())
+    unhold = reg.hold("d")
+    reg.reconcile({"p": "prefill"})
+    reg.reconcile({"p": "prefill", "d": "decode"})
+    row = reg.get("d")
+    assert row.holds == 1 and [w.address for w in reg.workers()] == ["p", "d"]
+    assert not row.healthy  # it was not polled while retired: it must answer again
+    asyncio.run(reg.poll_once())
+    assert row.healthy
+    unhold()
+    assert reg.reap() == []  # listed again: nothing to reap
+
+
+def test_reconcile_keeps_an_address_with_the_kind_it_has():
+    reg, _, _ = make({"p": LoadReport("prefill"), "d": LoadReport("decode")})
+    reg.reconcile({"p": "decode", "d": "decode"})
+    assert reg.get("p").kind == "prefill"
+    unhold = reg.hold("d")
+    reg.reconcile({"p": "prefill"})
+    reg.reconcile({"p": "prefill", "d": "prefill"})  # still held as a decode worker
+    assert [w.address for w in reg.workers()] == ["p"] and reg.get("d").kind == "decode"
+    unhold()
+    assert reg.reap() == ["d"]
+    reg.reconcile({"p": "prefill", "d": "prefill"})
+    assert reg.get("d").kind == "prefill"
+    with pytest.raises(ValueError):
+        reg.reconcile({"x": "router"})

@@ -186,6 +186,23 @@ def test_every_decode_worker_full_is_resource_exhausted():
     asyncio.run(body())
 
 
+def test_a_request_no_decode_worker_can_serve_is_failed_precondition():
+    """e.g. speculative decoding asked for where no decode worker has a draft: each refuses
+    (FAILED_PRECONDITION), and the client hears that, not UNAVAILABLE."""
+    async def body():
+        async with cluster(num_decode=2) as (stub, router, (prefill,), decoders):
+            for d in decoders:
+                d.knobs.refuse_with = SC.FAILED_PRECONDITION
+            await asyncio.sleep(0.15)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, request("Hi", max_new_tokens=5, speculative=True))
+            assert err.value.code() == SC.FAILED_PRECONDITION, err.value.details()
+            assert sorted(c.decode_address for c in prefill.calls) == \
+                sorted(d.address for d in decoders)  # each tried once
+            assert all(router.registry.get(d.address).healthy for d in decoders)
+    asyncio.run(body())
+
+
 def test_a_request_waits_while_every_decode_worker_is_full():
     async def body():
         async with cluster(num_decode=1) as (stub, router, (prefill,), (decode,)):

@@ -63,7 +63,7 @@ def test_decoded_data_lands_in_place():
 
 def test_other_parts_and_odd_forms_are_left_to_protobuf():
     header = pb.HandoffMessage(header=pb.HandoffHeader(handoff_id=5)).SerializeToString()
-    trailer = pb.HandoffMessage(trailer=pb.HandoffTrailer(crc32={"kv": 1})).SerializeToString()
+    trailer = pb.HandoffMessage(trailer=pb.HandoffTrailer(crc32c={"kv": 1})).SerializeToString()
     one = encode_chunk("kv", 1, 2, b"abc")
     twice = one + one                       # protobuf merges two chunk fields
     repeated_inner = protobuf_bytes("kv", 1, 2, b"abc")[:-5] + b"\x22\x03abc\x22\x03abc"

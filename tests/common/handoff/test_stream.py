@@ -14,6 +14,7 @@ from common.handoff.manifest import FieldSpec
 from common.handoff.parts import ChunkPart, HeaderPart, TrailerPart
 from common.handoff.reservation import InMemoryReservation
 from common.handoff.stream import HandoffAssembler, assemble_payload, split_payload
+from common.logprobs import TokenLogprobs
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -312,3 +313,28 @@ def test_trailer_without_first_token_is_invalid(layout, fingerprint, make_payloa
     parts = list(split_payload(make_payload(9)))
     parts[-1] = TrailerPart(parts[-1].checksums)
     _receive_and_fail(layout, fingerprint, parts, "INVALID_ARGUMENT")
+
+
+# the first token's log-probabilities, in the trailer
+def _asking(payload, num_top, logprobs):
+    return dataclasses.replace(payload, first_logprobs=logprobs, sampling=dataclasses.replace(
+        payload.sampling, logprobs=num_top))
+
+
+def test_first_token_logprobs_travel_in_the_trailer(make_payload):
+    logprobs = TokenLogprobs(-0.5, ((5, -0.5), (9, -1.25)))
+    payload = _asking(make_payload(), 2, logprobs)
+    got = assemble_payload(split_payload(payload))
+    assert got.first_logprobs == logprobs and got.sampling.logprobs == 2
+
+
+@pytest.mark.parametrize("num_top,logprobs", [
+    (2, None),                                    # asked for, missing
+    (None, TokenLogprobs(-0.5)),                  # not asked for, sent
+    (3, TokenLogprobs(-0.5, ((5, -0.5),))),       # fewer alternatives than asked for
+])
+def test_first_token_logprobs_must_be_what_the_request_asks(make_payload, layout, fingerprint,
+                                                            num_top, logprobs):
+    parts = list(split_payload(_asking(make_payload(), num_top, logprobs)))
+    err = _receive_and_fail(layout, fingerprint, parts, "INVALID_ARGUMENT")
+    assert "log-probabilities" in str(err)

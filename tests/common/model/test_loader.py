@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -267,9 +268,11 @@ def test_visual_and_mtp_tensors_are_ignored(ckpt, tmp_path):
     assert_params_equal(load(extra), load(path))
 
 
-def test_dtype_conversion_and_progress(ckpt, capsys):
+def test_dtype_conversion_and_progress(ckpt, capsys, monkeypatch):
     path = ckpt("qwen3_5_moe_text")
     config = ModelConfig.from_pretrained(path)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the bar is for terminals only
+    monkeypatch.delenv("FLASHSPLIT_NO_PROGRESS", raising=False)
     params = load(path, doc_params(config, torch.bfloat16), progress=True)
     assert all(p.dtype == torch.bfloat16 for p in params.values())
     assert_params_equal(params, hf_expected(load_hf_model("qwen3_5_moe_text", path), config))

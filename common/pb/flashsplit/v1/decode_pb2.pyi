@@ -84,19 +84,21 @@ class TensorChunk(_message.Message):
     def __init__(self, field: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class HandoffTrailer(_message.Message):
-    __slots__ = ("crc32", "first_token")
-    class Crc32Entry(_message.Message):
+    __slots__ = ("crc32c", "first_token", "first_token_logprobs")
+    class Crc32cEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    crc32: _containers.ScalarMap[str, int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    crc32c: _containers.ScalarMap[str, int]
     first_token: int
-    def __init__(self, crc32: _Optional[_Mapping[str, int]] = ..., first_token: _Optional[int] = ...) -> None: ...
+    first_token_logprobs: _types_pb2.TokenLogprobs
+    def __init__(self, crc32c: _Optional[_Mapping[str, int]] = ..., first_token: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_types_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class HandoffMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer", "pool_copy")
@@ -141,13 +143,15 @@ class StreamRequest(_message.Message):
     def __init__(self, handoff_id: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "accept_lengths", "error")
+    __slots__ = ("token_ids", "finish_reason", "accept_lengths", "error", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _types_pb2.FinishReason
     accept_lengths: _containers.RepeatedScalarFieldContainer[int]
     error: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., accept_lengths: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., accept_lengths: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import types_pb2 as flashsplit_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66lashsplit/v1/generation.proto\x12\rflashsplit.v1\x1a\x19\x66lashsplit/v1/types.proto\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.flashsplit.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.flashsplit.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\tB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x99\x01\n\x07Timings\x12\x1d\n\x15time_to_first_token_s\x18\x01 \x01(\x01\x12\x1f\n\x17inter_token_latencies_s\x18\x02 \x03(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x17\n\x0fprefill_queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x11\n\thandoff_s\x18\x06 \x01(\x01\"\xe1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.flashsplit.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.flashsplit.v1.Usage\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.flashsplit.v1.Timings\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x07 \x03(\r\"\x12\n\x10ModelInfoRequest\"\xc0\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x1d\n\x15speculative_available\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\"\x14\n\x12ListWorkersRequest\"\x94\x01\n\nWorkerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\'\n\x04kind\x18\x02 \x01(\x0e\x32\x19.flashsplit.v1.WorkerKind\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.flashsplit.v1.LoadReport\x12\x12\n\nlast_error\x18\x05 \x01(\t\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.flashsplit.v1.WorkerInfo2\xcd\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.flashsplit.v1.GenerateRequest\x1a\x1f.flashsplit.v1.GenerateResponse0\x01\x12O\n\x0cGenerateOnce\x12\x1e.flashsplit.v1.GenerateRequest\x1a\x1f.flashsplit.v1.GenerateResponse\x12I\n\x0cGetModelInfo\x12\x1f.flashsplit.v1.ModelInfoRequest\x1a\x18.flashsplit.v1.ModelInfo\x12T\n\x0bListWorkers\x12!.flashsplit.v1.ListWorkersRequest\x1a\".flashsplit.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66lashsplit/v1/generation.proto\x12\rflashsplit.v1\x1a\x19\x66lashsplit/v1/types.proto\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.flashsplit.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.flashsplit.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\tB\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x99\x01\n\x07Timings\x12\x1d\n\x15time_to_first_token_s\x18\x01 \x01(\x01\x12\x1f\n\x17inter_token_latencies_s\x18\x02 \x03(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x17\n\x0fprefill_queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x11\n\thandoff_s\x18\x06 \x01(\x01\"\x91\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.flashsplit.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.flashsplit.v1.Usage\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.flashsplit.v1.Timings\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x07 \x03(\r\x12.\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1c.flashsplit.v1.TokenLogprobs\"\x12\n\x10ModelInfoRequest\"\xc0\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x1d\n\x15speculative_available\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\"\x14\n\x12ListWorkersRequest\"\x94\x01\n\nWorkerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\'\n\x04kind\x18\x02 \x01(\x0e\x32\x19.flashsplit.v1.WorkerKind\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.flashsplit.v1.LoadReport\x12\x12\n\nlast_error\x18\x05 \x01(\t\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.flashsplit.v1.WorkerInfo2\xcd\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.flashsplit.v1.GenerateRequest\x1a\x1f.flashsplit.v1.GenerateResponse0\x01\x12O\n\x0cGenerateOnce\x12\x1e.flashsplit.v1.GenerateRequest\x1a\x1f.flashsplit.v1.GenerateResponse\x12I\n\x0cGetModelInfo\x12\x1f.flashsplit.v1.ModelInfoRequest\x1a\x18.flashsplit.v1.ModelInfo\x12T\n\x0bListWorkers\x12!.flashsplit.v1.ListWorkersRequest\x1a\".flashsplit.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIMINGS']._serialized_start=310
   _globals['_TIMINGS']._serialized_end=463
   _globals['_GENERATERESPONSE']._serialized_start=466
-  _globals['_GENERATERESPONSE']._serialized_end=691
-  _globals['_MODELINFOREQUEST']._serialized_start=693
-  _globals['_MODELINFOREQUEST']._serialized_end=711
-  _globals['_MODELINFO']._serialized_start=714
-  _globals['_MODELINFO']._serialized_end=906
-  _globals['_LISTWORKERSREQUEST']._serialized_start=908
-  _globals['_LISTWORKERSREQUEST']._serialized_end=928
-  _globals['_WORKERINFO']._serialized_start=931
-  _globals['_WORKERINFO']._serialized_end=1079
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1081
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1146
-  _globals['_GENERATION']._serialized_start=1149
-  _globals['_GENERATION']._serialized_end=1482
+  _globals['_GENERATERESPONSE']._serialized_end=739
+  _globals['_MODELINFOREQUEST']._serialized_start=741
+  _globals['_MODELINFOREQUEST']._serialized_end=759
+  _globals['_MODELINFO']._serialized_start=762
+  _globals['_MODELINFO']._serialized_end=954
+  _globals['_LISTWORKERSREQUEST']._serialized_start=956
+  _globals['_LISTWORKERSREQUEST']._serialized_end=976
+  _globals['_WORKERINFO']._serialized_start=979
+  _globals['_WORKERINFO']._serialized_end=1127
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1129
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1194
+  _globals['_GENERATION']._serialized_start=1197
+  _globals['_GENERATION']._serialized_end=1530
 # @@protoc_insertion_point(module_scope)

@@ -32,15 +32,17 @@ class PrefillTimings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., handoff_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("handoff_id", "first_token", "prompt_len", "timings", "finish_reason")
+    __slots__ = ("handoff_id", "first_token", "prompt_len", "timings", "finish_reason", "first_token_logprobs")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     handoff_id: int
     first_token: int
     prompt_len: int
     timings: PrefillTimings
     finish_reason: _types_pb2.FinishReason
-    def __init__(self, handoff_id: _Optional[int] = ..., first_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ...) -> None: ...
+    first_token_logprobs: _types_pb2.TokenLogprobs
+    def __init__(self, handoff_id: _Optional[int] = ..., first_token: _Optional[int] = ..., prompt_len: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., first_token_logprobs: _Optional[_Union[_types_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...

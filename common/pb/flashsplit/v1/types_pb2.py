@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lashsplit/v1/types.proto\x12\rflashsplit.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xca\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x06\x88\x01\x01\x12\x18\n\x0bspeculative\x18\t \x01(\x08H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\r\n\x0b_ignore_eosB\x0e\n\x0c_speculative\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xdf\x02\n\nLoadReport\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.flashsplit.v1.WorkerKind\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nfree_pages\x18\x04 \x01(\r\x12\x13\n\x0btotal_pages\x18\x05 \x01(\r\x12\x12\n\nfree_slots\x18\x06 \x01(\r\x12\x13\n\x0btotal_slots\x18\x07 \x01(\r\x12\x11\n\tqueue_len\x18\x08 \x01(\r\x12\x0f\n\x07running\x18\t \x01(\r\x12\x39\n\x08\x63ounters\x18\n \x03(\x0b\x32\'.flashsplit.v1.LoadReport.CountersEntry\x12\x1a\n\x12max_request_tokens\x18\x0b \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*Z\n\nWorkerKind\x12\x1b\n\x17WORKER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_KIND_PREFILL\x10\x01\x12\x16\n\x12WORKER_KIND_DECODE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lashsplit/v1/types.proto\x12\rflashsplit.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xee\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x06\x88\x01\x01\x12\x18\n\x0bspeculative\x18\t \x01(\x08H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\r\n\x0b_ignore_eosB\x0e\n\x0c_speculativeB\x0b\n\t_logprobs\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xdf\x02\n\nLoadReport\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.flashsplit.v1.WorkerKind\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nfree_pages\x18\x04 \x01(\r\x12\x13\n\x0btotal_pages\x18\x05 \x01(\r\x12\x12\n\nfree_slots\x18\x06 \x01(\r\x12\x13\n\x0btotal_slots\x18\x07 \x01(\r\x12\x11\n\tqueue_len\x18\x08 \x01(\r\x12\x0f\n\x07running\x18\t \x01(\r\x12\x39\n\x08\x63ounters\x18\n \x03(\x0b\x32\'.flashsplit.v1.LoadReport.CountersEntry\x12\x1a\n\x12max_request_tokens\x18\x0b \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*Z\n\nWorkerKind\x12\x1b\n\x17WORKER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_KIND_PREFILL\x10\x01\x12\x16\n\x12WORKER_KIND_DECODE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,22 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOADREPORT_COUNTERSENTRY']._loaded_options = None
   _globals['_LOADREPORT_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=856
-  _globals['_FINISHREASON']._serialized_end=1001
-  _globals['_WORKERKIND']._serialized_start=1003
-  _globals['_WORKERKIND']._serialized_end=1093
+  _globals['_FINISHREASON']._serialized_start=971
+  _globals['_FINISHREASON']._serialized_end=1116
+  _globals['_WORKERKIND']._serialized_start=1118
+  _globals['_WORKERKIND']._serialized_end=1208
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_SAMPLINGPARAMS']._serialized_start=70
-  _globals['_SAMPLINGPARAMS']._serialized_end=400
-  _globals['_ABORTREQUEST']._serialized_start=402
-  _globals['_ABORTREQUEST']._serialized_end=452
-  _globals['_ABORTRESPONSE']._serialized_start=454
-  _globals['_ABORTRESPONSE']._serialized_end=484
-  _globals['_LOADREQUEST']._serialized_start=486
-  _globals['_LOADREQUEST']._serialized_end=499
-  _globals['_LOADREPORT']._serialized_start=502
-  _globals['_LOADREPORT']._serialized_end=853
-  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_start=806
-  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_end=853
+  _globals['_SAMPLINGPARAMS']._serialized_end=436
+  _globals['_TOKENLOGPROBS']._serialized_start=438
+  _globals['_TOKENLOGPROBS']._serialized_end=515
+  _globals['_ABORTREQUEST']._serialized_start=517
+  _globals['_ABORTREQUEST']._serialized_end=567
+  _globals['_ABORTRESPONSE']._serialized_start=569
+  _globals['_ABORTRESPONSE']._serialized_end=599
+  _globals['_LOADREQUEST']._serialized_start=601
+  _globals['_LOADREQUEST']._serialized_end=614
+  _globals['_LOADREPORT']._serialized_start=617
+  _globals['_LOADREPORT']._serialized_end=968
+  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_start=921
+  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_end=968
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,251 @@
+"""Mean accept length τ of a DFLASH draft on held-out text, greedy and sampled, per block size;
+and, with ``--speed-batches``, in-process decode tokens/s with the draft against without.
+
+Prompts are evenly spaced windows of ``--prompt-tokens`` tokens of the held-out data (the
+corpus's ``eval.jsonl``); each is continued for ``--max-new-tokens`` tokens by the engine with
+the draft at each block size and temperature. τ = tokens committed per DFLASH step (accepted
+drafts + 1), averaged over every step of every prompt. Sampling is lossless (rejection
+sampling against the greedy drafts), seeded per prompt. For greedy runs the outputs are also
+compared with the engine's output without speculation ("identical": the share of prompts whose
+tokens are the same).
+
+Speed: for each batch size b, b prompts run to completion at once, with and without the draft
+(block size: the largest of ``--blocks``), after a warm-up that captures the CUDA graphs;
+tokens/s counts output tokens over the wall time of the whole run (prefill included).
+
+    python -m benchmarks.dflash_tau --model pycoder --draft pycoder --data CORPUS/eval.jsonl \
+        [--blocks 8,16] [--temperatures 0,0.7] [--num-prompts 64] [--device cuda] \
+        [--speed-batches 1,8,32] [--json out/tau.json]
+
+Prints the table last; ``--json`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from common.engine.cuda_graph import CudaGraphConfig
+from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+from common.engine.scheduler import SchedulerConfig
+from common.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TauConfig:
+    model: str
+    draft: str
+    data: str
+    blocks: tuple[int, ...] = (8, 16)
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    num_prompts: int = 64
+    prompt_tokens: int = 128
+    max_new_tokens: int = 128
+    speed_batches: tuple[int, ...] = ()
+    device: str = "cpu"
+    kernels: str = "auto"
+    seed: int = 0
+
+
+@dataclass
+class TauRow:
+    block_size: int
+    temperature: float
+    tau: float
+    steps: int
+    tokens: int
+    identical: float | None = None  # greedy only: share of prompts equal to plain decoding
+
+
+@dataclass
+class SpeedRow:
+    batch: int
+    block_size: int
+    plain_tokens_per_s: float
+    dflash_tokens_per_s: float
+    tau: float
+
+    @property
+    def speedup(self) -> float:
+        return self.dflash_tokens_per_s / self.plain_tokens_per_s
+
+
+@dataclass
+class TauReport:
+    config: TauConfig
+    rows: list[TauRow] = field(default_factory=list)
+    speed: list[SpeedRow] = field(default_factory=list)
+
+
+def held_out_prompts(config: TauConfig, tokenizer, eos: int | None) -> list[list[int]]:
+    from common.training.token_data import read_documents, spaced_windows, token_stream
+
+    stream = token_stream(read_documents(config.data), tokenizer, separator=eos)
+    windows = spaced_windows(stream, config.prompt_tokens, config.num_prompts)
+    return windows.tolist()
+
+
+class _Engines:
+    """One engine per block size (None: no draft), each made once, pools sized for the
+    prompts. They share the target, so :meth:`get` also sets its capture: the plain engine
+    runs (and captures its graphs) without the draft's hidden-state capture."""
+
+    def __init__(self, config: TauConfig, target, draft, eos) -> None:
+        self.config, self.target, self.draft, self.eos = config, target, draft, eos
+        self._made: dict[int | None, LLMEngine] = {}
+
+    def get(self, block: int | None) -> LLMEngine:
+        self.target.set_dflash_layers_to_capture(
+            self.draft.config.target_layer_ids if block else ())
+        if block not in self._made:
+            c = self.config
+            running = max([c.num_prompts, *c.speed_batches])
+            per_request = c.prompt_tokens + c.max_new_tokens + max(c.blocks) + 16
+            cache = CacheConfig(page_size=16, num_pages=1 + running * (-(-per_request // 16)),
+                                num_slots=1 + running)
+            engine = LLMEngine(
+                self.target, EngineConfig(
+                    cache=cache, device=c.device,
+                    scheduler=SchedulerConfig(max_running_requests=running,
+                                              max_prefill_tokens=max(2048, c.prompt_tokens)),
+                    cuda_graph=CudaGraphConfig(max_batch_size=running)),
+                self.eos, draft=self.draft if block else None, block_size=block)
+            if torch.device(c.device).type == "cuda":
+                engine.warmup()
+            self._made[block] = engine
+        return self._made[block]
+
+
+def _params(config: TauConfig, temperature: float, i: int) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_new_tokens=config.max_new_tokens,
+                          seed=None if temperature == 0 else config.seed * 100_003 + i)
+
+
+def run_tau(config: TauConfig, *, progress: bool = True) -> TauReport:
+    from common.model.dflash import load_draft
+    from common.model.load import eos_token_ids_for, load_model
+    from common.ops.gpu_backends import select_kernels
+    from common.tokenizer import load_tokenizer
+
+    kernels = config.kernels
+    if kernels == "auto":
+        kernels = "gpu" if torch.device(config.device).type == "cuda" else "reference"
+    target = load_model(config.model, device=config.device, kernels=select_kernels(kernels))
+    draft = load_draft(config.draft, target)
+    eos = eos_token_ids_for(config.model, target.config)
+    tokenizer = load_tokenizer(config.model, allow_missing=True)
+    prompts = held_out_prompts(config, tokenizer if tokenizer.vocab_size else None,
+                               eos[0] if eos else None)
+    engines = _Engines(config, target, draft, eos)
+    report = TauReport(config)
+    greedy_plain = None
+    for block in config.blocks:
+        for temperature in config.temperatures:
+            params = [_params(config, temperature, i) for i in range(len(prompts))]
+            reqs = engines.get(block).generate(prompts, params)
+            lengths = [n for r in reqs for n in r.accept_lengths]
+            row = TauRow(block, temperature, sum(lengths) / max(1, len(lengths)),
+                         len(lengths), sum(len(r.output_ids) for r in reqs))
+            if temperature == 0:
+                if greedy_plain is None:
+                    greedy_plain = [r.output_ids for r in engines.get(None).generate(
+                        prompts, params)]
+                row.identical = sum(r.output_ids == p for r, p in zip(reqs, greedy_plain)) \
+                    / len(reqs)
+            report.rows.append(row)
+            if progress:
+                print(f"  block {block:>2} temperature {temperature:g}: tau {row.tau:.2f}",
+                      file=sys.stderr, flush=True)
+    for batch in config.speed_batches:
+        report.speed.append(_speed(config, engines, prompts, batch))
+    return report
+
+
+def _speed(config: TauConfig, engines: _Engines, prompts, batch: int) -> SpeedRow:
+    chosen = [prompts[i % len(prompts)] for i in range(batch)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens,
+                            ignore_eos=True)
+    block = max(config.blocks)
+    rates, tau = {}, 0.0
+    for which in (None, block):
+        engine = engines.get(which)
+        engine.generate(chosen, replace(params, max_new_tokens=2))  # warm: first-call costs
+        if torch.device(config.device).type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        reqs = engine.generate(chosen, params)
+        if torch.device(config.device).type == "cuda":
+            torch.cuda.synchronize()
+        rates[which] = sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - start)
+        if which is not None:
+            lengths = [n for r in reqs for n in r.accept_lengths]
+            tau = sum(lengths) / max(1, len(lengths))
+    return SpeedRow(batch, block, rates[None], rates[block], tau)
+
+
+def format_table(report: TauReport) -> str:
+    lines = [f"{'block':>5}  {'temp':>5}  {'tau':>6}  {'steps':>7}  {'tokens':>7}  "
+             f"{'identical':>9}"]
+    for r in report.rows:
+        same = "-" if r.identical is None else f"{100 * r.identical:.0f}%"
+        lines.append(f"{r.block_size:>5}  {r.temperature:>5g}  {r.tau:>6.2f}  {r.steps:>7}  "
+                     f"{r.tokens:>7}  {same:>9}")
+    if report.speed:
+        lines += ["", f"{'batch':>5}  {'block':>5}  {'plain tok/s':>11}  {'dflash tok/s':>12}  "
+                      f"{'speedup':>7}  {'tau':>5}"]
+        for s in report.speed:
+            lines.append(f"{s.batch:>5}  {s.block_size:>5}  {s.plain_tokens_per_s:>11.1f}  "
+                         f"{s.dflash_tokens_per_s:>12.1f}  {s.speedup:>6.2f}x  {s.tau:>5.2f}")
+    return "\n".join(lines)
+
+
+def as_json(report: TauReport) -> dict:
+    return {"config": asdict(report.config), "tau": [asdict(r) for r in report.rows],
+            "speed": [{**asdict(s), "speedup": s.speedup} for s in report.speed]}
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(t) for t in text.split(",") if t.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.dflash_tau",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="target directory or built-in name")
+    p.add_argument("--draft", required=True, help="draft directory or built-in name")
+    p.add_argument("--data", required=True, help="held-out data (e.g. CORPUS/eval.jsonl)")
+    p.add_argument("--blocks", default="8,16")
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--num-prompts", type=int, default=TauConfig.num_prompts)
+    p.add_argument("--prompt-tokens", type=int, default=TauConfig.prompt_tokens)
+    p.add_argument("--max-new-tokens", type=int, default=TauConfig.max_new_tokens)
+    p.add_argument("--speed-batches", default="", help="e.g. 1,8,32 (default: no speed run)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--kernels", default="auto")
+    p.add_argument("--seed", type=int, default=TauConfig.seed)
+    p.add_argument("--json", default=None, metavar="PATH")
+    args = p.parse_args(argv)
+    config = TauConfig(
+        model=args.model, draft=args.draft, data=args.data,
+        blocks=tuple(int(b) for b in _floats(args.blocks)),
+        temperatures=_floats(args.temperatures), num_prompts=args.num_prompts,
+        prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
+        speed_batches=tuple(int(b) for b in _floats(args.speed_batches)),
+        device=args.device, kernels=args.kernels, seed=args.seed)
+    report = run_tau(config)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(as_json(report), indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    print(format_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Rebuild the built-in model `pycoder` and its DFLASH draft on one CUDA GPU, then measure τ.
+#
+#   bash benchmarks/train_builtin_gpu.sh OUT_DIR [STAGE] [TARGET_SECONDS] [DRAFT_SECONDS]
+#
+# STAGE: target | draft | tau | all (default). Each stage reads what the one before wrote
+# under OUT_DIR, so they can run as separate commands:
+#   target (~6 min): the corpus (this interpreter's standard library, PSF licence), the BPE
+#          tokenizer, and the target trained for TARGET_SECONDS (default 300) of wall clock;
+#   draft  (~3 min): the target's own continuations of corpus prompts (data regeneration),
+#          and the draft trained on them for DRAFT_SECONDS (default 120);
+#   tau    (~2 min): mean accept length at blocks 8 and 16, greedy and at temperature 0.7, on
+#          the held-out files, and in-process decode tokens/s with and without the draft.
+# Results: OUT_DIR/pycoder and OUT_DIR/pycoder-dflash (checkpoints with provenance.json and
+# loss.png), OUT_DIR/ship/ (the two checkpoints as they go into common/model/weights/),
+# OUT_DIR/tau.json and tau.txt. Needs the runtime, `train` and `gpu` extras (transformers,
+# fla-core for the GDN backward); PYTHON picks the interpreter (default: python).
+#
+# SMOKE=1 runs every stage on the CPU at toy sizes (a check of the pipeline, minutes; nothing
+# worth shipping):  SMOKE=1 bash benchmarks/train_builtin_gpu.sh /tmp/builtin all 10 10
+set -euo pipefail
+
+USAGE="usage: bash benchmarks/train_builtin_gpu.sh OUT_DIR [STAGE] [TARGET_S] [DRAFT_S]"
+OUT=${1:?$USAGE}
+STAGE=${2:-all}
+TARGET_SECONDS=${3:-300}
+DRAFT_SECONDS=${4:-120}
+PY=${PYTHON:-python}
+if [ "${SMOKE:-0}" = 1 ]; then
+    DEVICE=cpu TARGET_BATCH=2 DRAFT_BATCH=2 SEQ=64 REGEN_PROMPTS=4 REGEN_TOKENS=32
+    TAU_PROMPTS=2 TAU_TOKENS=8 SPEED=1,2
+else
+    DEVICE=cuda TARGET_BATCH=64 DRAFT_BATCH=32 SEQ=512 REGEN_PROMPTS=6144 REGEN_TOKENS=384
+    TAU_PROMPTS=64 TAU_TOKENS=256 SPEED=1,8,32
+fi
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+
+preflight() {
+    DEVICE=$DEVICE "$PY" - <<'EOF'
+import importlib.util, os, sys
+import torch
+on_gpu = os.environ["DEVICE"] == "cuda"
+if on_gpu and not torch.cuda.is_available():
+    sys.exit("error: no CUDA device")
+print(f"device: {torch.cuda.get_device_name() if on_gpu else 'cpu'}, torch {torch.__version__}")
+if importlib.util.find_spec("transformers") is None:
+    sys.exit("error: transformers is missing (pip install -e '.[train]')")
+if on_gpu and importlib.util.find_spec("fla") is None:
+    print("warning: fla-core is missing: transformers trains the GDN layers with its "
+          "plain-torch recurrence, far slower (pip install -e '.[gpu]')")
+EOF
+}
+
+stage_target() {
+    "$PY" -m common.training.corpus --out "$OUT/corpus"
+    "$PY" -m common.training.bpe --corpus "$OUT/corpus" --out "$OUT/tokenizer" --vocab-size 8192
+    "$PY" -m common.training.train_target --corpus "$OUT/corpus" --tokenizer "$OUT/tokenizer" \
+        --out "$OUT/pycoder" --seconds "$TARGET_SECONDS" --batch-size "$TARGET_BATCH" \
+        --seq-len "$SEQ" --device "$DEVICE"
+}
+
+stage_draft() {
+    "$PY" -m common.training.regenerate --model "$OUT/pycoder" --data "$OUT/corpus" \
+        --out "$OUT/regen.jsonl" --num-prompts "$REGEN_PROMPTS" --prompt-tokens 128 \
+        --max-new-tokens "$REGEN_TOKENS" --temperatures 0,0.7 --max-running 256 \
+        --device "$DEVICE"
+    rm -rf "$OUT/pycoder-dflash"
+    "$PY" -m router.cli train-draft --target "$OUT/pycoder" --data "$OUT/regen.jsonl" \
+        --out "$OUT/pycoder-dflash" --block-size 16 --layers 2 --target-layer-ids 1,3,5,7 \
+        --seconds "$DRAFT_SECONDS" --batch-size "$DRAFT_BATCH" --seq-len "$SEQ" --anchors 32 \
+        --lr 1e-3 --checkpoint-every 500 --device "$DEVICE"
+    rm -rf "$OUT/ship"
+    mkdir -p "$OUT/ship/pycoder" "$OUT/ship/pycoder-dflash"
+    cp "$OUT"/pycoder/{config.json,generation_config.json,model.safetensors,tokenizer.json} \
+       "$OUT"/pycoder/{tokenizer_config.json,provenance.json,loss.png} "$OUT/ship/pycoder/"
+    cp "$OUT"/pycoder-dflash/{config.json,model.safetensors,provenance.json,loss.png} \
+       "$OUT/ship/pycoder-dflash/"
+    du -sh "$OUT/ship"/*
+}
+
+stage_tau() {
+    "$PY" -m benchmarks.dflash_tau --model "$OUT/pycoder" --draft "$OUT/pycoder-dflash" \
+        --data "$OUT/corpus/eval.jsonl" --blocks 8,16 --temperatures 0,0.7 \
+        --num-prompts "$TAU_PROMPTS" --prompt-tokens 128 --max-new-tokens "$TAU_TOKENS" \
+        --speed-batches "$SPEED" --device "$DEVICE" --json "$OUT/tau.json" | tee "$OUT/tau.txt"
+}
+
+preflight
+case "$STAGE" in
+    target) stage_target ;;
+    draft) stage_draft ;;
+    tau) stage_tau ;;
+    all) stage_target; stage_draft; stage_tau ;;
+    *) echo "unknown stage $STAGE (target, draft, tau or all)" >&2; exit 2 ;;
+esac

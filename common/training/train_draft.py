@@ -1,0 +1,284 @@
+"""``flashsplit train-draft``: train a z-lab-format DFLASH draft for any supported target.
+
+Per step: random windows of the data are run through the target (the project's own model, on
+the serving kernels) with capture on at the draft's ``target_layer_ids``; random anchors of
+each window become blocks ``[anchor token, MASK x (B-1)]``; the draft's block-diffusion loss
+(``common.training.draft_forward``) is minimised with AdamW on a cosine schedule over the
+budget (steps, seconds, or both). The target is never updated.
+
+``OUT`` receives the draft (``config.json``, ``model.safetensors``), ``provenance.json`` and
+``loss.png``; ``OUT/checkpoint/`` holds the training state (draft, optimizer, data and anchor
+generators, history), written every ``checkpoint_every`` steps and at the end, from which
+``resume`` continues the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.model.dflash import DFlashDraftModel
+from common.model.dflash_config import DFlashConfig
+from common.training.capture import HiddenCapture
+from common.training.curves import plot_curves, smooth
+from common.training.draft_forward import block_loss, sample_anchors
+from common.training.draft_setup import (DraftArch, draft_config_dict, init_draft_weights,
+                                         resolve_mask_token_id, save_draft)
+from common.training.provenance import PROVENANCE_FILE, environment, write_json
+from common.training.schedule import BudgetBar, Budget, Clock, CosineSchedule
+from common.training.token_data import WindowSampler, read_documents, token_stream
+
+STATE_FILE = "training_state.pt"
+# settings a resumed run must share with the run it continues (the budget may change)
+_RUN_FIELDS = ("target", "data", "arch", "seq_len", "batch_size", "num_anchors", "lr",
+               "weight_decay", "warmup", "min_lr_ratio", "grad_clip", "loss_decay_gamma",
+               "seed", "target_dtype")
+
+
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    """Args:
+        target: checkpoint directory or built-in name of the target.
+        data: training data (``common.training.token_data``).
+        out: output directory.
+        seq_len: tokens per window; anchors lie in ``1 .. seq_len - block_size``.
+        batch_size: windows per step; num_anchors: blocks per window.
+        dtype: of the saved weights (default: the target's).
+        target_dtype: the target's compute dtype (default: its config's).
+        kernels: the target's kernel set ("auto": "gpu" on CUDA, else "reference").
+    """
+
+    target: str
+    data: str
+    out: str
+    budget: Budget
+    arch: DraftArch = field(default_factory=DraftArch)
+    seq_len: int = 512
+    batch_size: int = 8
+    num_anchors: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: float = 0.03
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    loss_decay_gamma: float | None = 7.0
+    checkpoint_every: int = 200
+    device: str = "cpu"
+    dtype: str | None = None
+    target_dtype: str | None = None
+    kernels: str = "auto"
+    seed: int = 0
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.seq_len <= self.arch.block_size:
+            raise ValueError(f"seq_len {self.seq_len} must exceed the block size "
+                             f"{self.arch.block_size}")
+        for name in ("batch_size", "num_anchors", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+def checkpoint_path(out: str | Path) -> Path:
+    """Where a run writing to ``out`` keeps its training state."""
+    return Path(out) / "checkpoint" / STATE_FILE
+
+
+def _run_settings(config: DraftTrainConfig) -> dict:
+    settings = dataclasses.asdict(config)
+    return json.loads(json.dumps({k: settings[k] for k in _RUN_FIELDS}))
+
+
+class _Run:
+    """Everything one training run holds; built fresh or from a checkpoint."""
+
+    def __init__(self, config: DraftTrainConfig) -> None:
+        from common.model.load import eos_token_ids_for, load_model
+        from common.ops.gpu_backends import select_kernels
+        from common.tokenizer import load_tokenizer
+
+        self.config = config
+        self.device = torch.device(config.device)
+        kernels = config.kernels
+        if kernels == "auto":
+            kernels = "gpu" if self.device.type == "cuda" else "reference"
+        target_dtype = getattr(torch, config.target_dtype) if config.target_dtype else None
+        self.target = load_model(config.target, dtype=target_dtype, device=self.device,
+                                 kernels=select_kernels(kernels))
+        tokenizer = load_tokenizer(config.target, allow_missing=True)
+        tokenizer = tokenizer if tokenizer.vocab_size else None
+        eos = eos_token_ids_for(config.target, self.target.config)
+        stream = token_stream(read_documents(config.data), tokenizer,
+                              separator=eos[0] if eos else None,
+                              vocab_size=self.target.config.vocab_size)
+        self.stream_tokens = int(stream.numel())
+        self.sampler = WindowSampler(stream, config.seq_len, config.seed)
+        self.anchor_gen = torch.Generator().manual_seed(config.seed + 1)
+        self.save_dtype = config.dtype or str(self.target.dtype).replace("torch.", "")
+        mask = resolve_mask_token_id(config.arch.mask_token_id, tokenizer, self.target.config)
+        self.draft_config = draft_config_dict(self.target.config, config.arch,
+                                              mask_token_id=mask, dtype=self.save_dtype)
+        with torch.device(self.device):
+            self.draft = DFlashDraftModel(
+                DFlashConfig.from_dict(self.draft_config, target=self.target.config),
+                dtype=torch.float32, kernels=self.target.kernels)
+        init_draft_weights(self.draft, config.seed)
+        self.draft.train().requires_grad_(True)
+        self.capture = HiddenCapture(self.target, self.draft.config.target_layer_ids,
+                                     max_sequences=config.batch_size, seq_len=config.seq_len,
+                                     device=self.device)
+        self.autocast = self.device.type == "cuda"
+        embed = self.target.get_input_embeddings().weight
+        head = self.target.get_output_weight()
+        # off CUDA there is no autocast: the draft's fp32 math needs fp32 copies
+        self.embed = embed if self.autocast else embed.float()
+        self.lm_head = head if self.autocast else head.float()
+        decay = [p for p in self.draft.parameters() if p.dim() >= 2]
+        keep = [p for p in self.draft.parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay},
+             {"params": keep, "weight_decay": 0.0}],
+            lr=config.lr, betas=(0.9, 0.95), fused=self.autocast)
+        self.step, self.elapsed_s = 0, 0.0
+        self.history: list[list[float]] = []  # [step, loss, accuracy, accept length]
+
+    # checkpoints
+    @property
+    def state_path(self) -> Path:
+        return checkpoint_path(self.config.out)
+
+    def save_checkpoint(self, elapsed_s: float) -> None:
+        path = self.state_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "settings": json.dumps(_run_settings(self.config)),
+            "draft_config": json.dumps(self.draft_config),
+            "draft": self.draft.state_dict(), "optimizer": self.opt.state_dict(),
+            "step": self.step, "elapsed_s": elapsed_s, "history": self.history,
+            "sampler": self.sampler.state(), "anchors": self.anchor_gen.get_state(),
+        }
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # a run killed mid-write keeps the previous checkpoint
+
+    def load_checkpoint(self) -> None:
+        state = torch.load(self.state_path, map_location=self.device, weights_only=True)
+        saved, now = json.loads(state["settings"]), _run_settings(self.config)
+        changed = sorted(k for k in saved if saved[k] != now.get(k))
+        if changed:
+            raise ValueError(f"--resume with settings that differ from the checkpoint's: "
+                             f"{', '.join(f'{k} (was {saved[k]!r})' for k in changed)}")
+        if json.loads(state["draft_config"]) != self.draft_config:
+            raise ValueError("--resume: the checkpoint's draft config differs from this one's")
+        self.draft.load_state_dict(state["draft"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.step, self.elapsed_s = int(state["step"]), float(state["elapsed_s"])
+        self.history = [list(h) for h in state["history"]]
+        self.sampler.load_state(state["sampler"].cpu())
+        self.anchor_gen.set_state(state["anchors"].cpu())
+
+    # one optimizer step
+    def train_step(self, lr: float) -> list[float]:
+        c = self.config
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        windows = self.sampler.sample(c.batch_size)  # on the CPU: the capture batch reads them
+        aux = self.capture(windows)
+        tokens = windows.to(self.device)
+        anchors = sample_anchors(c.batch_size, c.seq_len, c.arch.block_size, c.num_anchors,
+                                 generator=self.anchor_gen, device=self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = block_loss(self.draft, aux, tokens, anchors, embed=self.embed,
+                             lm_head=self.lm_head, loss_decay_gamma=c.loss_decay_gamma)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), c.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        row = [self.step, float(out.loss.detach()), float(out.accuracy),
+               float(out.accept_length)]
+        self.history.append(row)
+        return row
+
+
+def train_draft(config: DraftTrainConfig) -> dict:
+    """Train (or resume) and export; returns the provenance written beside the draft."""
+    out, state = Path(config.out), checkpoint_path(config.out)
+    if state.is_file() and not config.resume:
+        raise ValueError(f"{out} already holds a training checkpoint ({state}): pass --resume "
+                         "to continue it, or choose another --out")
+    if config.resume and not state.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {state}")
+    torch.manual_seed(config.seed)
+    run = _Run(config)
+    if config.resume:
+        run.load_checkpoint()
+    # the target's first forward compiles and autotunes its kernels (minutes on a fresh GPU
+    # machine): outside the budget, which is for training
+    run.capture(torch.zeros(1, config.seq_len, dtype=torch.long))
+    clock = Clock(run.elapsed_s)
+    schedule = CosineSchedule(config.lr, config.warmup, config.min_lr_ratio)
+    bar = BudgetBar("train draft", enabled=config.progress,
+                    initial=config.budget.fraction(run.step, clock.elapsed()))
+    try:
+        while not config.budget.done(run.step, clock.elapsed()):
+            _, loss, acc, accept = run.train_step(
+                schedule.lr(config.budget.fraction(run.step, clock.elapsed())))
+            if run.step % config.checkpoint_every == 0:
+                run.save_checkpoint(clock.elapsed())
+            bar.update(config.budget.fraction(run.step, clock.elapsed()), step=run.step,
+                       loss=f"{loss:.3f}", acc=f"{acc:.3f}", accept=f"{accept:.2f}")
+    finally:
+        bar.close()
+    seconds = clock.elapsed()
+    run.save_checkpoint(seconds)
+    save_draft(run.draft, run.draft_config, out, dtype=run.save_dtype)
+    return _write_report(run, seconds)
+
+
+def _write_report(run: _Run, seconds: float) -> dict:
+    config, out = run.config, Path(run.config.out)
+    steps = [h[0] for h in run.history]
+    window = max(1, min(50, len(steps) // 10))
+    plot_curves(out / "loss.png",
+                title=f"DFLASH draft, B={config.arch.block_size}: {run.step} steps, "
+                      f"{seconds:.0f} s",
+                series={f"loss ({window}-step mean)": (steps, smooth([h[1] for h in run.history],
+                                                                     window))})
+    every = max(1, len(steps) // 200)
+    last = run.history[-window:] if run.history else []
+    provenance = {
+        "what": "DFLASH draft (z-lab format) trained by flashsplit train-draft",
+        "draft_config": run.draft_config,
+        "parameters": sum(p.numel() for p in run.draft.parameters()),
+        "target": config.target,
+        "target_config": run.target.config.raw,
+        "data": config.data,
+        "data_tokens": run.stream_tokens,
+        "training": {
+            **json.loads(json.dumps(dataclasses.asdict(config))),
+            "objective": "block diffusion: random anchors, blocks [anchor, MASK x (B-1)], "
+                         "cross-entropy on the masked rows, decay exp(-(k-1)/gamma)",
+            "steps": run.step, "seconds": round(seconds, 1),
+            "tokens_captured": run.step * config.batch_size * config.seq_len,
+            "final": {"loss": _mean(last, 1), "accuracy": _mean(last, 2),
+                      "accept_length_on_data": _mean(last, 3)},
+            "history_every_n_steps": {"n": every, "rows": ["step", "loss", "accuracy",
+                                                           "accept_length"],
+                                      "values": [[round(v, 4) for v in h]
+                                                 for h in run.history[::every]]},
+        },
+        "environment": environment(config.device),
+    }
+    write_json(out / PROVENANCE_FILE, provenance)
+    return provenance
+
+
+def _mean(rows: list[list[float]], column: int) -> float | None:
+    return round(sum(r[column] for r in rows) / len(rows), 4) if rows else None

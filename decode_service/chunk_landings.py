@@ -1,0 +1,71 @@
+"""Chunks of one handoff landing on writer threads while the handler reads the next ones.
+
+Each chunk is claimed on the event loop (its address checked, its byte range taken), then its
+checksum and its copy into the pools run on a writer thread: google-crc32c over the received
+``bytes`` and the copy both release the GIL, so up to ``max_in_flight`` chunks land while gRPC
+receives more. Results are recorded in arrival order; the trailer is checked only once every
+chunk has landed (``drain``). Whatever happens, ``settle`` waits for writes still running, so
+no thread writes into room that is given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from concurrent.futures import Executor
+
+from common.handoff.chunk_codec import RawChunk
+from common.handoff.ledger import message_payload_crc
+from common.handoff.parts import ChunkPart
+from common.handoff.stream import HandoffAssembler
+
+
+def _land(assembler: HandoffAssembler, chunk: ChunkPart, message: bytes,
+          raw: RawChunk | None) -> int:
+    crc = None
+    if raw is not None and raw.data_start + len(raw.data) == len(message):
+        crc = message_payload_crc(message, raw.data_start)  # GIL released over the message
+    return assembler.land_chunk(chunk, crc)
+
+
+class ChunkLandings:
+    """The chunks of one handoff that are landing; one per handler, used on the event loop."""
+
+    def __init__(self, assembler: HandoffAssembler, writer: Executor,
+                 max_in_flight: int = 4) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self._assembler = assembler
+        self._writer = writer
+        self._max = max_in_flight
+        self._pending: collections.deque = collections.deque()
+
+    async def add(self, chunk: ChunkPart, message: bytes, raw: RawChunk | None) -> None:
+        """Claim ``chunk`` and start landing it; waits while ``max_in_flight`` are landing.
+        Raises the ``HandoffError`` of a refused or failed chunk."""
+        self._assembler.claim_chunk(chunk)
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._writer, _land, self._assembler, chunk, message, raw)
+        self._pending.append((chunk, future))
+        while len(self._pending) >= self._max:
+            await self._record_oldest()
+
+    async def drain(self) -> None:
+        """Wait until every chunk added so far has landed and is recorded."""
+        while self._pending:
+            await self._record_oldest()
+
+    async def settle(self) -> None:
+        """Wait for every landing still running, ignoring their outcome (the handoff failed)."""
+        pending, self._pending = self._pending, collections.deque()
+        for _, future in pending:
+            try:
+                await asyncio.shield(future)
+            except BaseException:  # noqa: BLE001 - its handoff already failed
+                pass
+
+    async def _record_oldest(self) -> None:
+        chunk, future = self._pending[0]
+        crc = await asyncio.shield(future)
+        self._pending.popleft()
+        self._assembler.record_chunk(chunk, crc)

@@ -1,0 +1,40 @@
+"""The τ benchmark: its figures come from the engine's own accept lengths and outputs."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.dflash_tau import TauConfig, as_json, format_table, main, run_tau
+
+
+def test_tau_rows_and_speed(tmp_path):
+    data = tmp_path / "eval.jsonl"
+    data.write_text(json.dumps({"text": "def add(a, b):\n    return a + b\n" * 6}) + "\n")
+    config = TauConfig(model="tiny", draft="tiny", data=str(data), blocks=(4, 8),
+                       temperatures=(0.0, 0.7), num_prompts=3, prompt_tokens=16,
+                       max_new_tokens=12, speed_batches=(2,))
+    report = run_tau(config, progress=False)
+    assert [(r.block_size, r.temperature) for r in report.rows] == [
+        (4, 0.0), (4, 0.7), (8, 0.0), (8, 0.7)]
+    for r in report.rows:
+        assert 1.0 <= r.tau <= r.block_size and r.steps > 0 and 0 < r.tokens <= 3 * 12
+        # greedy speculation gives plain decoding's tokens (lossless)
+        assert r.identical == (1.0 if r.temperature == 0 else None)
+    (speed,) = report.speed
+    assert speed.batch == 2 and speed.block_size == 8 and speed.plain_tokens_per_s > 0
+    assert speed.speedup == speed.dflash_tokens_per_s / speed.plain_tokens_per_s
+    table = format_table(report)
+    assert "tau" in table.splitlines()[0] and "speedup" in table
+    assert as_json(report)["tau"][0]["block_size"] == 4
+
+
+def test_cli_prints_the_table_last_and_writes_json(tmp_path, capsys):
+    data = tmp_path / "eval.jsonl"
+    data.write_text(json.dumps({"text": "import os\nprint(os.getcwd())\n" * 4}) + "\n")
+    out = tmp_path / "tau.json"
+    assert main(["--model", "tiny", "--draft", "tiny", "--data", str(data), "--blocks", "4",
+                 "--temperatures", "0", "--num-prompts", "2", "--prompt-tokens", "8",
+                 "--max-new-tokens", "6", "--device", "cpu", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[0].split()[:3] == ["block", "temp", "tau"] and len(printed) == 2
+    assert json.loads(out.read_text())["tau"][0]["identical"] == 1.0

@@ -1,0 +1,32 @@
+"""Draft training data written by the target: prompts from the data, the engine's continuations."""
+
+from __future__ import annotations
+
+import json
+
+from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+from common.model.load import load_model
+from common.sampling import SamplingParams
+from common.training.regenerate import RegenerateConfig, regenerate
+from common.training.token_data import read_documents
+
+
+def test_continuations_are_the_engines(corpus_dir, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    result = regenerate(RegenerateConfig(model="tiny", data=str(corpus_dir), out=str(out),
+                                         num_prompts=4, prompt_tokens=12, max_new_tokens=10,
+                                         temperatures=(0.0, 0.7), max_running=4))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == result["prompts"] == 4
+    assert [r["temperature"] for r in rows] == [0.0, 0.7, 0.0, 0.7]
+    assert all(r["prompt_tokens"] == 12 and 12 < len(r["token_ids"]) <= 22 for r in rows)
+    assert result["generated_tokens"] == sum(len(r["token_ids"]) - 12 for r in rows)
+    # a greedy row's continuation is what the engine gives its prompt
+    engine = LLMEngine(load_model("tiny"), EngineConfig(cache=CacheConfig(num_pages=64)))
+    prompt = rows[0]["token_ids"][:12]
+    (req,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=10))
+    assert rows[0]["token_ids"][12:] == req.output_ids
+    # prompts are windows of the data's tokens
+    text = "".join(read_documents(corpus_dir))
+    assert bytes(prompt).decode("utf-8", errors="ignore")[2:-2] in text
+    assert read_documents(out) == [r["token_ids"] for r in rows]  # train-draft reads it back

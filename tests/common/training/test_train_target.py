@@ -1,0 +1,57 @@
+"""The built-in target's training: what it writes, that the project's own model serves it
+exactly as transformers computes it, and that it learns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.model.load import load_model
+from common.tokenizer import load_tokenizer
+from common.training.train_target import PYCODER_ARCH, import_transformers, main
+from tests.common.model.test_qwen3_5 import forward_all_logits
+from tests.common.training.conftest import TINY_ARCH
+
+
+def test_checkpoint_files_and_provenance(trained_target, corpus_dir):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "provenance.json", "loss.png"):
+        assert (trained_target / name).is_file(), name
+    config = json.loads((trained_target / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["tie_word_embeddings"]
+    p = json.loads((trained_target / "provenance.json").read_text())
+    assert p["corpus"] == json.loads((corpus_dir / "manifest.json").read_text())
+    assert p["training"]["steps"] == 8 and p["training"]["tokens"] == 8 * 4 * 64
+    assert p["architecture"]["hidden_size"] == TINY_ARCH["hidden_size"]
+    evals = [e["loss"] for e in p["training"]["eval_loss"]]
+    assert len(evals) >= 2 and evals[-1] < evals[0]  # it learns (held-out loss)
+    assert p["environment"]["device"] == "cpu"
+
+
+def test_our_model_serves_it_as_transformers_computes_it(trained_target):
+    _, model_cls = import_transformers("cpu")
+    hf = model_cls.from_pretrained(str(trained_target), dtype=torch.float32).eval()
+    ours = load_model(str(trained_target))
+    tok = load_tokenizer(str(trained_target))
+    ids = tok.encode("def f(items):\n    return sorted(items)\n")
+    assert tok.eos_token_ids == (0,)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    got = forward_all_logits(ours, [ids])
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+
+
+def test_pycoder_architecture_is_a_servable_config():
+    from common.config import ModelConfig
+
+    config = ModelConfig.from_dict({"model_type": "qwen3_5_text", "vocab_size": 8192,
+                                    **PYCODER_ARCH})
+    assert config.full_attention_layers == (3, 7) and config.rotary_dim == 32
+    assert config.linear_key_head_dim == config.head_dim == 128  # the GPU kernels' fast path
+
+
+def test_cli_needs_a_budget(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--corpus", str(tmp_path), "--tokenizer", str(tmp_path), "--out", str(tmp_path)])

@@ -1,0 +1,139 @@
+"""StateReader: whatever the piece size, the chunks of a prompt's pages and state rebuild the
+payload exactly (stale rows of the last page zeroed), and the trailer's CRCs match the bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.handoff.chunk_codec import decode_chunk
+from common.handoff.checksum import crc32c
+from common.handoff.manifest import FieldSpec
+from prefill_service.engine import StateReady
+from prefill_service.state_reader import (ModelLayers, PromptShape, StateReader,
+                                          fold_checksums, new_ledgers)
+
+LAYERS, POOL_PAGES, PAGE, HEADS, DIM, SLOTS = 3, 11, 4, 2, 8, 3
+
+
+def pools(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(LAYERS, POOL_PAGES, 2, PAGE, HEADS, DIM, generator=g)
+    conv = torch.randn(2, SLOTS, 6, 3, generator=g)
+    ssm = torch.randn(2, SLOTS, 2, 4, 4, generator=g)
+    draft = torch.randn(1, POOL_PAGES, 2, PAGE, HEADS, DIM, generator=g)
+    return kv, conv, ssm, draft
+
+
+def expected_paged(pool, page_ids, prompt_len):
+    """[L, 2, n, page, ...] of the prompt's pages, rows past the prompt zeroed."""
+    out = pool[:, torch.tensor(page_ids)].transpose(1, 2).contiguous()
+    tail = len(page_ids) * PAGE - prompt_len
+    if tail:
+        out[:, :, -1, PAGE - tail:] = 0
+    return out
+
+
+@pytest.mark.parametrize("piece_bytes,chunk_bytes", [(1, 7), (300, 64), (1 << 20, 1 << 20),
+                                                     (2 * PAGE * HEADS * DIM * 4 * 2, 100)])
+def test_pages_and_states_rebuild_the_payload(piece_bytes, chunk_bytes):
+    kv, conv, ssm, draft = pools()
+    prompt_len, page_ids, slot = 18, (7, 2, 9, 0, 5), 1  # 5 pages, 2 stale rows in the last
+    reader = StateReader(kv, conv, ssm, draft, chunk_bytes, piece_bytes=piece_bytes,
+                         model_layers=ModelLayers((1, 3, 5), (0, 2)))
+    prompt = PromptShape(prompt_len, PAGE)
+    want = {"kv": expected_paged(kv, page_ids, prompt_len),
+            "dflash_context": expected_paged(draft, page_ids, prompt_len),
+            "conv_state": conv[:, slot].clone(), "ssm_state": ssm[:, slot].clone()}
+    manifest = {name: FieldSpec("float32", tuple(t.shape)) for name, t in want.items()}
+    ledgers = new_ledgers(manifest)
+    got = {name: torch.zeros_like(t) for name, t in want.items()}
+    # as chunked prefill reports it: 2 pages, then the rest with the state
+    partial = StateReady(page_ids, slot, 2, True)
+    final = StateReady(page_ids, slot, 5, True, first_token=3)
+    messages = []
+    for name in ("kv", "dflash_context"):
+        messages += reader.pages(partial, name, 0, 2, prompt, ledgers)
+        messages += reader.pages(final, name, 2, 5, prompt, ledgers)
+    messages += reader.states(final, ledgers)
+    for message in messages:
+        chunk = decode_chunk(message)
+        assert len(chunk.data) <= chunk_bytes
+        flat = got[chunk.field][chunk.layer].reshape(-1).view(torch.uint8)
+        flat[chunk.offset:chunk.offset + len(chunk.data)] = torch.frombuffer(
+            bytearray(chunk.data), dtype=torch.uint8)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    checksums = fold_checksums(manifest, ledgers)
+    for name, t in want.items():
+        assert checksums[name] == crc32c(t.contiguous()), name
+
+
+def test_reading_nothing_new_yields_nothing():
+    kv, conv, ssm, draft = pools()
+    reader = StateReader(kv, conv, ssm, None, 64)
+    ready = StateReady((1, 2), 0, 2, False)
+    assert list(reader.pages(ready, "kv", 2, 2, PromptShape(8, PAGE), {})) == []
+    assert not reader.has_draft_context
+
+
+def test_model_layers_map_fields_to_the_layers_that_write_them():
+    layers = ModelLayers(full_attention=(3, 7), gdn=(0, 1, 2, 4, 5, 6))
+    assert layers.model_layer("kv", 1) == 7
+    assert layers.model_layer("ssm_state", 3) == 4
+    assert layers.model_layer("conv_state", 0) == 0
+    assert layers.model_layer("dflash_context", 0) is None
+
+
+def test_bad_sizes_are_refused():
+    kv, conv, ssm, _ = pools()
+    with pytest.raises(ValueError):
+        StateReader(kv, conv, ssm, None, 0)
+    with pytest.raises(ValueError):
+        StateReader(kv, conv, ssm, None, 8, piece_bytes=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_reads_wait_for_each_layer_and_reuse_pinned_buffers():
+    """Each layer is written by a kernel queued after a long one; its read waits for that
+    layer's event only, lands in the reader's pinned pool, and every byte is right."""
+    kv, conv, ssm, draft = (t.cuda() for t in pools(1))
+    prompt_len, page_ids, slot = 21, (3, 8, 1, 10, 6, 4), 2
+    layers = ModelLayers((0, 2, 4), (1, 3))
+    reader = StateReader(kv, conv, ssm, draft, 100, piece_bytes=1000, model_layers=layers)
+    events = []
+    for i in range(5):  # the "forward": layer i rewrites its own state, then records
+        busy = torch.randn(2048, 2048, device="cuda")
+        for _ in range(4):
+            busy = busy @ busy / 2048
+        if i in layers.full_attention:
+            kv[layers.full_attention.index(i)] += 1
+        else:
+            j = layers.gdn.index(i)
+            conv[j] += 1
+            ssm[j] += 1
+        events.append(torch.cuda.Event())
+        events[-1].record()
+    ready = StateReady(page_ids, slot, 6, False, layer_ready=tuple(events), states_final=True)
+    prompt = PromptShape(prompt_len, PAGE)
+    pages = len(page_ids)
+    manifest = {"kv": FieldSpec("float32", (3, 2, pages, PAGE, HEADS, DIM)),
+                "conv_state": FieldSpec("float32", (2, 6, 3)),
+                "ssm_state": FieldSpec("float32", (2, 2, 4, 4))}
+    ledgers = new_ledgers(manifest)
+    # read while the "forward" still runs on the device: nothing here synchronizes it
+    messages = [*reader.pages(ready, "kv", 0, pages, prompt, ledgers),
+                *reader.states(ready, ledgers)]
+    want = {"kv": expected_paged(kv.cpu(), page_ids, prompt_len),
+            "conv_state": conv[:, slot].cpu(), "ssm_state": ssm[:, slot].cpu()}
+    got = {name: torch.zeros_like(t) for name, t in want.items()}
+    for message in messages:
+        chunk = decode_chunk(message)
+        flat = got[chunk.field][chunk.layer].reshape(-1).view(torch.uint8)
+        flat[chunk.offset:chunk.offset + len(chunk.data)] = torch.frombuffer(
+            bytearray(chunk.data), dtype=torch.uint8)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert reader.host_buffers.pinned and reader.host_buffers.num_buffers == 0
+    reader.close()
