@@ -1,0 +1,121 @@
+"""The Prefill servicer over a real in-process gRPC server: what it refuses before any work,
+an unreachable decode worker, Abort of an unknown handoff, and GetLoad."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+
+from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+from common.handoff.layout import LayoutDescriptor
+from common.model.load import load_model
+from common.pb.flashsplit.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
+from prefill_service.engine import PrefillEngine
+from prefill_service.handoff_sender import HandoffSender
+from prefill_service.server import PrefillServicer
+from prefill_service.state_reader import StateReader
+
+PAGE_SIZE, NUM_PAGES = 4, 9  # 8 usable pages: prompts of at most 32 tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny")
+
+
+@pytest.fixture
+def engine(model):
+    llm = LLMEngine(model, EngineConfig(
+        cache=CacheConfig(page_size=PAGE_SIZE, num_pages=NUM_PAGES, num_slots=4),
+        hold_after_prefill=True))
+    engine = PrefillEngine(llm, LayoutDescriptor.from_model(model.config, PAGE_SIZE, model.dtype),
+                           "fp")
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def call(engine: PrefillEngine, method: str, request):
+    """Serve ``engine`` on a fresh port and make one call; returns the reply or the RpcError."""
+
+    async def scenario():
+        server = grpc.aio.server()
+        sender = HandoffSender(StateReader(*engine.pools, chunk_bytes=1 << 16), timeout_s=10.0)
+        servicer = PrefillServicer(engine, sender, "prefill:0",
+                                   engine.engine.model.config.vocab_size, (0,))
+        prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = prefill_pb2_grpc.PrefillStub(channel)
+                try:
+                    return await getattr(stub, method)(request, timeout=30)
+                except grpc.aio.AioRpcError as exc:
+                    return exc
+        finally:
+            await sender.close()
+            await server.stop(None)
+
+    return asyncio.run(scenario())
+
+
+def prefill_request(**over) -> prefill_pb2.PrefillRequest:
+    fields = dict(handoff_id=7, prompt_token_ids=[1, 2, 3],
+                  sampling=types_pb2.SamplingParams(temperature=0.0, max_new_tokens=4),
+                  decode_address="127.0.0.1:1", request_id="req")
+    fields.update(over)
+    return prefill_pb2.PrefillRequest(**fields)
+
+
+def pool_is_whole(engine: PrefillEngine) -> bool:
+    load = engine.load()
+    return load["free_pages"] == load["total_pages"] and load["free_slots"] == load["total_slots"]
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(handoff_id=0), "handoff_id must not be 0"),
+    (dict(prompt_token_ids=[]), "prompt is empty"),
+    (dict(prompt_token_ids=[1, 10**6]), "outside the vocabulary"),
+    (dict(decode_address=""), "decode_address is empty"),
+    (dict(prompt_token_ids=[1] * 33), "holds at most 32"),
+    (dict(request_id="x" * 10_000), "request_id may have at most"),
+    (dict(sampling=types_pb2.SamplingParams(temperature=-1.0)), "temperature"),
+    (dict(sampling=types_pb2.SamplingParams(top_p=0.0)), "top_p"),
+])
+def test_refused_before_any_work(engine, over, match):
+    reply = call(engine, "Prefill", prefill_request(**over))
+    assert isinstance(reply, grpc.aio.AioRpcError)
+    assert reply.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert match in reply.details()
+    assert pool_is_whole(engine) and engine.load()["queue_len"] == 0
+
+
+def test_an_unreachable_decode_worker_is_unavailable_and_nothing_is_held(engine):
+    reply = call(engine, "Prefill", prefill_request(decode_address=closed_port()))
+    assert isinstance(reply, grpc.aio.AioRpcError)
+    assert reply.code() == grpc.StatusCode.UNAVAILABLE
+    assert "handoff to 127.0.0.1:" in reply.details()
+    assert pool_is_whole(engine)
+
+
+def test_abort_of_an_unknown_handoff_finds_nothing(engine):
+    reply = call(engine, "Abort", types_pb2.AbortRequest(handoff_id=99, reason="test"))
+    assert reply.found is False
+
+
+def test_get_load_reports_this_worker(engine):
+    reply = call(engine, "GetLoad", types_pb2.LoadRequest())
+    assert reply.kind == types_pb2.WORKER_KIND_PREFILL and reply.address == "prefill:0"
+    assert reply.model_fingerprint == "fp"
+    assert (reply.total_pages, reply.free_pages) == (NUM_PAGES - 1, NUM_PAGES - 1)
+    assert reply.max_request_tokens == (NUM_PAGES - 1) * PAGE_SIZE
