@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import time
 
 import torch
 
-from common.cache.sizing import (DEFAULT_NUM_PAGES, DEFAULT_NUM_SLOTS, PoolRequest, SizingError,
-                                 format_bytes)
+from common.cache.sizing import DEFAULT_NUM_PAGES, DEFAULT_NUM_SLOTS, PoolRequest, SizingError
 from common.engine.cuda_graph import CudaGraphConfig
+from common.engine.factory import EngineSettings
 from common.engine.llm_engine import CacheConfig, EngineConfig
 from common.lifecycle import die_with_parent_if_asked
 from common.progress import NO_PROGRESS_ENV
@@ -95,17 +93,6 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
                         "'reference'")
 
 
-def kernels_from_args(args: argparse.Namespace):
-    """The model's kernels for ``--kernels`` on ``--device`` (logged once)."""
-    from common.ops.gpu_backends import describe, select_kernels
-
-    name = args.kernels
-    if name == "auto":
-        name = "gpu" if str(args.device).startswith("cuda") else "reference"
-    logging.getLogger(__name__).info("kernels %s", describe(name))
-    return select_kernels(name)
-
-
 def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> EngineConfig:
     """The engine's settings, with the fixed pool sizes (``pool_request_from_args`` and
     ``size_engine_pools`` size them by memory)."""
@@ -130,37 +117,14 @@ def cuda_graph_from_args(args: argparse.Namespace) -> CudaGraphConfig:
                            max_batch_size=args.cuda_graph_max_bs)
 
 
-def build_engine(args: argparse.Namespace, *, prefill: bool):
-    """Model, optional draft and engine for a worker, with the handoff layout and model
-    fingerprint both sides must agree on; returns ``(engine, layout, fingerprint)``."""
-    from common.engine.llm_engine import LLMEngine
-    from common.engine.pool_sizing import check_fit, size_engine_pools
-    from common.handoff.layout import LayoutDescriptor, model_fingerprint
-    from common.model.dflash import load_draft
-    from common.model.load import eos_token_ids_for, load_model, weights_identity
-
-    log = logging.getLogger(__name__)
-    progress = not args.no_progress
+def engine_settings_from_args(args: argparse.Namespace, *, prefill: bool) -> EngineSettings:
+    """What a worker's engine is built from (``common.engine.factory.build_engine``): every
+    worker warms up before it serves, and sizes its pools by the pool flags."""
     config = engine_config_from_args(args, prefill=prefill)
-    request = pool_request_from_args(args, config, prefill=prefill)  # checked before loading
-    model = load_model(args.model, dtype=dtype_from_args(args), device=args.device,
-                       kernels=kernels_from_args(args), progress=progress)
-    draft = load_draft(args.draft, model) if args.draft else None
-    eos = eos_token_ids_for(args.model, model.config)
-    config, sizing = size_engine_pools(model, config, request, draft=draft,
-                                       block_size=args.block_size, eos_token_ids=eos,
-                                       progress=progress)
-    log.info("%s", sizing.describe())
-    if sizing.over_budget_bytes:
-        log.warning("the pools given exceed the --mem-fraction budget by %s",
-                    format_bytes(sizing.over_budget_bytes))
-    engine = LLMEngine(model, config, eos, draft=draft, block_size=args.block_size)
-    start = time.perf_counter()
-    engine.warmup(progress)
-    log.info("warm-up took %.1f s", time.perf_counter() - start)
-    check_fit(engine, sizing)
-    layout = LayoutDescriptor.from_model(model.config, config.cache.page_size, model.dtype)
-    return engine, layout, model_fingerprint(model.config, weights_identity(args.model))
+    return EngineSettings(model=args.model, draft=args.draft, block_size=args.block_size,
+                          dtype=dtype_from_args(args), kernels=args.kernels, engine=config,
+                          pools=pool_request_from_args(args, config, prefill=prefill),
+                          warmup="always", progress=not args.no_progress)
 
 
 def pool_request_from_args(args: argparse.Namespace, config: EngineConfig, *,

@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from common.cli_help import HelpFormatter, description
+from common.engine.factory import build_engine
 from common.grpc_util import bind, make_server, serve_until_signal
 from common.metrics.server import bind_metrics, start_metrics
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
 from common.security import Security
 from common.shutdown import GracefulShutdown
-from common.worker_args import add_worker_args, build_engine, run_worker
+from common.worker_args import add_worker_args, engine_settings_from_args, run_worker
 from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
 from prefill_service.shared_pools import SharedPools
@@ -29,7 +30,8 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     server, health = make_server([*server_security.interceptors(), shutdown.interceptor()])
     address = bind(server, args.host, args.port, server_security.credentials())
     metrics_server = bind_metrics(args.host, args.metrics_port)
-    llm, layout, fingerprint = build_engine(args, prefill=True)
+    built = build_engine(engine_settings_from_args(args, prefill=True))
+    llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
     # before the engine thread starts: the pools move into memory decode workers can open
     shared = SharedPools(llm) if args.handoff_transport != "stream" else None
     engine = PrefillEngine(llm, layout, fingerprint)

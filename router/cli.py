@@ -195,23 +195,19 @@ def run_local(args: argparse.Namespace, prompts: list[list[int]],
               params: SamplingParams) -> tuple[list, float]:
     """Load the model (and draft), run ``prompts`` to completion; return requests, seconds."""
     from common.engine.cuda_graph import CudaGraphConfig
-    from common.engine.llm_engine import EngineConfig, LLMEngine
-    from common.model.dflash import load_draft
-    from common.model.load import eos_token_ids_for, load_model
-    from common.worker_args import dtype_from_args, kernels_from_args
+    from common.engine.factory import EngineSettings, build_engine
+    from common.engine.llm_engine import EngineConfig
+    from common.worker_args import dtype_from_args
 
-    model = load_model(args.model, dtype=dtype_from_args(args), device=args.device,
-                       kernels=kernels_from_args(args), progress=True)  # a bar on terminals
-    draft = load_draft(args.draft, model) if args.draft else None
-    if speculative_choice(args) and draft is None:
+    if speculative_choice(args) and not args.draft:
         raise ValueError("--speculative on needs --draft")
     # graphs for the batch sizes this run can have (captured by the warm-up, on a GPU only)
     graphs = CudaGraphConfig(max_batch_size=max(1, len(prompts)))
-    engine = LLMEngine(model, EngineConfig(device=args.device, cuda_graph=graphs),
-                       eos_token_ids_for(args.model, model.config), draft=draft,
-                       block_size=args.block_size)
-    if engine.runner.graphs is not None:
-        engine.warmup()
+    settings = EngineSettings(model=args.model, draft=args.draft, block_size=args.block_size,
+                              dtype=dtype_from_args(args), kernels=args.kernels,
+                              engine=EngineConfig(device=args.device, cuda_graph=graphs),
+                              progress=True)  # a bar on terminals
+    engine = build_engine(settings).engine
     start = time.perf_counter()
     reqs = engine.generate(prompts, params, speculative=speculative_choice(args))
     return reqs, time.perf_counter() - start

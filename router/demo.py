@@ -29,13 +29,12 @@ async def _run_all(address: str, prompts, params: SamplingParams):
 
 
 def local_reference(model: str, prompts, params: SamplingParams) -> list[list[int]]:
-    from common.engine.llm_engine import EngineConfig, LLMEngine
-    from common.model.load import eos_token_ids_for, load_model
+    """What the same model (on the CPU, reference kernels) generates in this process."""
+    from common.engine.factory import EngineSettings, build_engine
     from common.tokenizer import load_tokenizer
 
-    loaded = load_model(model)
+    engine = build_engine(EngineSettings(model=model)).engine
     tokenizer = load_tokenizer(model)
-    engine = LLMEngine(loaded, EngineConfig(), eos_token_ids_for(model, loaded.config))
     return [r.output_ids for r in engine.generate([tokenizer.encode(p) for p in prompts], params)]
 
 

@@ -12,6 +12,7 @@ import torch
 
 from common.cache.sizing import DEFAULT_NUM_PAGES, DEFAULT_NUM_SLOTS, MemoryFigures, PoolRequest
 from common.engine import pool_sizing
+from common.engine.factory import build_engine
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.pool_sizing import (host_figures, min_pages, pool_costs, profile_prefill,
                                        size_engine_pools, tensor_bytes)
@@ -19,7 +20,7 @@ from common.engine.scheduler import SchedulerConfig
 from common.model.dflash import load_draft
 from common.model.load import load_model
 from common.sampling import SamplingParams
-from common.worker_args import add_worker_args, build_engine, pool_request_from_args
+from common.worker_args import add_worker_args, engine_settings_from_args, pool_request_from_args
 
 MIB = 1 << 20
 
@@ -146,7 +147,7 @@ def test_a_worker_built_with_mem_fraction_logs_what_it_chose(monkeypatch, caplog
     fake_host(monkeypatch, total=4 << 30)
     args = worker_args("--mem-fraction", "0.02", "--num-slots", "5", "--no-progress")
     with caplog.at_level("INFO"):
-        engine, _, _ = build_engine(args, prefill=False)
+        engine = build_engine(engine_settings_from_args(args, prefill=False)).engine
     assert engine.state_pool.num_slots == 5
     assert engine.kv_pool.num_pages > DEFAULT_NUM_PAGES  # 80 MiB holds more than the default
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("pools:"))
@@ -157,7 +158,7 @@ def test_a_worker_built_with_mem_fraction_logs_what_it_chose(monkeypatch, caplog
 def test_explicit_pages_win_over_the_fraction(monkeypatch):
     fake_host(monkeypatch, total=4 << 30)
     args = worker_args("--mem-fraction", "0.02", "--num-pages", "64", "--no-progress")
-    engine, _, _ = build_engine(args, prefill=False)
+    engine = build_engine(engine_settings_from_args(args, prefill=False)).engine
     assert engine.kv_pool.num_pages == 64 and engine.state_pool.num_slots == 65
 
 

@@ -1,0 +1,130 @@
+"""One way to build an engine: the model, its optional DFLASH draft, the pools and the CUDA
+graphs, from :class:`EngineSettings`.
+
+Both workers, ``flashsplit generate`` and ``flashsplit demo`` build through
+:func:`build_engine`. Each turns its own flags into settings first, so nothing here reads a
+command line, and nothing outside this module loads a model to serve it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.cache.sizing import PoolRequest, PoolSizing, format_bytes
+from common.engine.llm_engine import EngineConfig, LLMEngine
+from common.handoff.layout import LayoutDescriptor
+
+log = logging.getLogger(__name__)
+
+# "always": every path runs once so kernels compile and autotune before a worker reports
+# SERVING; "graphs": only where there are CUDA graphs to capture (a one-shot run would pay for
+# compiling the rest anyway)
+WARMUP_POLICIES = ("always", "graphs")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine is built from.
+
+    Attributes:
+        model: a checkpoint directory or a built-in name (``common/model/registry.py``).
+        draft: a DFLASH draft, ``'tiny'`` or a checkpoint directory; None for none.
+        block_size: tokens per DFLASH step (None: the draft's own).
+        dtype: the weights' dtype (None: the config's).
+        kernels: a kernel set (``docs/kernels.md``), or ``'auto'`` (``'gpu'`` on a CUDA
+            device, else ``'reference'``); None leaves the model its default kernels.
+        engine: the engine's cache, scheduler, graph and device settings; its pool sizes are
+            used as given unless ``pools`` sizes them.
+        pools: what the pool flags ask for (``--mem-fraction``, ``--num-pages``,
+            ``--num-slots``), sized by ``common/engine/pool_sizing.py``; None for none.
+        warmup: one of :data:`WARMUP_POLICIES`.
+        progress: progress bars for weight loading and graph capture (terminals only).
+    """
+
+    model: str
+    draft: str | None = None
+    block_size: int | None = None
+    dtype: torch.dtype | None = None
+    kernels: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    pools: PoolRequest | None = None
+    warmup: str = "graphs"
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.warmup not in WARMUP_POLICIES:
+            raise ValueError(f"warmup must be one of {WARMUP_POLICIES}, got {self.warmup!r}")
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    """An engine with what its callers need beside it.
+
+    Attributes:
+        engine: the engine, warmed up as the settings asked.
+        layout: the handoff layout of its pools (prefill and decode must agree on it).
+        fingerprint: the model's handoff fingerprint (architecture and weights).
+        eos_token_ids: the end-of-sequence ids the engine stops at.
+        sizing: how the pools were sized, when ``EngineSettings.pools`` asked.
+    """
+
+    engine: LLMEngine
+    layout: LayoutDescriptor
+    fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    sizing: PoolSizing | None = None
+
+
+def build_engine(settings: EngineSettings) -> BuiltEngine:
+    """Load the model (and draft), size the pools, build and warm up the engine.
+
+    Raises SizingError (what to change) when ``settings.pools`` cannot fit, ValueError for a
+    kernel set whose libraries are missing, FileNotFoundError for a model that is not there.
+    """
+    from common.engine.pool_sizing import check_fit, size_engine_pools
+    from common.handoff.layout import model_fingerprint
+    from common.model.dflash import load_draft
+    from common.model.load import eos_token_ids_for, load_model, weights_identity
+
+    config = settings.engine
+    model = load_model(settings.model, dtype=settings.dtype, device=config.device,
+                       kernels=select_kernel_set(settings.kernels, config.device),
+                       progress=settings.progress)
+    draft = load_draft(settings.draft, model) if settings.draft else None
+    eos = eos_token_ids_for(settings.model, model.config)
+    sizing = None
+    if settings.pools is not None:
+        config, sizing = size_engine_pools(model, config, settings.pools, draft=draft,
+                                           block_size=settings.block_size, eos_token_ids=eos,
+                                           progress=settings.progress)
+        log.info("%s", sizing.describe())
+        if sizing.over_budget_bytes:
+            log.warning("the pools given exceed the --mem-fraction budget by %s",
+                        format_bytes(sizing.over_budget_bytes))
+    engine = LLMEngine(model, config, eos, draft=draft, block_size=settings.block_size)
+    if settings.warmup == "always" or engine.runner.graphs is not None:
+        start = time.perf_counter()
+        engine.warmup(settings.progress)
+        log.info("warm-up took %.1f s", time.perf_counter() - start)
+    if sizing is not None:
+        check_fit(engine, sizing)
+    layout = LayoutDescriptor.from_model(model.config, config.cache.page_size, model.dtype)
+    fingerprint = model_fingerprint(model.config, weights_identity(settings.model))
+    return BuiltEngine(engine, layout, fingerprint, engine.eos_token_ids, sizing)
+
+
+def select_kernel_set(name: str | None, device: str):
+    """The model's kernels for set ``name`` on ``device`` (logged once); None for the model's
+    default."""
+    if name is None:
+        return None
+    from common.ops.gpu_backends import describe, select_kernels
+
+    if name == "auto":
+        name = "gpu" if str(device).startswith("cuda") else "reference"
+    log.info("kernels %s", describe(name))
+    return select_kernels(name)

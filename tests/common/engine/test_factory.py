@@ -1,0 +1,116 @@
+"""The engine factory on the CPU: what it builds from settings, against engines built by hand
+from the model, draft and config, and the workers', ``flashsplit generate``'s and the demo's
+paths through it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from common.engine.factory import EngineSettings, build_engine, select_kernel_set
+from common.engine.llm_engine import EngineConfig, LLMEngine
+from common.handoff.layout import LayoutDescriptor, model_fingerprint
+from common.model.dflash import load_draft
+from common.model.load import eos_token_ids_for, load_model, weights_identity
+from common.sampling import SamplingParams
+from common.worker_args import add_worker_args, engine_config_from_args, engine_settings_from_args
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+
+def by_hand(config: EngineConfig = EngineConfig(), draft: str | None = None) -> LLMEngine:
+    model = load_model("tiny", device=config.device)
+    return LLMEngine(model, config, eos_token_ids_for("tiny", model.config),
+                     draft=load_draft(draft, model) if draft else None)
+
+
+def outputs(engine: LLMEngine, speculative: bool | None = None) -> list[list[int]]:
+    return [r.output_ids for r in engine.generate(PROMPTS, GREEDY, speculative=speculative)]
+
+
+def worker_args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+    return p.parse_args(["--no-progress", *argv])
+
+
+def test_the_tiny_model_builds_with_its_layout_fingerprint_and_eos():
+    built = build_engine(EngineSettings(model="tiny"))
+    model = load_model("tiny")
+    assert built.engine.speculator is None and built.sizing is None
+    assert built.layout == LayoutDescriptor.from_model(model.config, 16, model.dtype)
+    assert built.fingerprint == model_fingerprint(model.config, weights_identity("tiny"))
+    assert built.eos_token_ids == eos_token_ids_for("tiny", model.config)
+    assert outputs(built.engine) == outputs(by_hand())
+
+
+def test_the_tiny_draft_speculates_the_same_tokens_as_a_hand_built_engine():
+    built = build_engine(EngineSettings(model="tiny", draft="tiny"))
+    assert built.engine.speculator is not None
+    reference = by_hand(draft="tiny")
+    got = outputs(built.engine, speculative=True)
+    assert got == outputs(reference, speculative=True)
+    assert got == outputs(by_hand())  # greedy DFLASH commits what plain decoding would
+    assert built.layout.page_size == reference.config.cache.page_size
+
+
+def test_a_block_size_reaches_the_speculator():
+    built = build_engine(EngineSettings(model="tiny", draft="tiny", block_size=2))
+    assert built.engine.speculator.block_size == 2
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_a_worker_engine_is_the_one_its_flags_describe(prefill):
+    args = worker_args("--page-size", "8", "--num-pages", "256", "--draft", "tiny")
+    built = build_engine(engine_settings_from_args(args, prefill=prefill))
+    config = engine_config_from_args(args, prefill=prefill)
+    assert built.engine.config == config
+    assert built.layout.page_size == 8 and built.sizing.num_pages == 256
+    if not prefill:
+        assert outputs(built.engine, speculative=True) == outputs(by_hand(config, "tiny"),
+                                                                  speculative=True)
+
+
+def test_workers_warm_up_always_and_one_shot_runs_only_for_graphs(monkeypatch):
+    calls = []
+    monkeypatch.setattr(LLMEngine, "warmup", lambda self, progress=True: calls.append(progress))
+    build_engine(EngineSettings(model="tiny"))
+    assert calls == []  # no graphs on the CPU: nothing to capture
+    build_engine(engine_settings_from_args(worker_args(), prefill=False))
+    assert calls == [False]  # --no-progress
+
+
+def test_settings_refuse_an_unknown_warmup_policy():
+    with pytest.raises(ValueError, match="warmup must be one of"):
+        EngineSettings(model="tiny", warmup="sometimes")
+
+
+def test_auto_kernels_are_the_reference_set_on_the_cpu():
+    assert select_kernel_set(None, "cpu") is None
+    kernels = select_kernel_set("auto", "cpu")
+    assert set(dict(kernels.backends).values()) == {"reference"}
+
+
+def test_generate_in_process_speculates_through_the_factory(capsys):
+    from router.cli import main
+
+    assert main(["generate", "--json", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "8",
+                 "--temperature", "0", "--ignore-eos", "--draft", "tiny",
+                 "--speculative", "on"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (req,) = by_hand(draft="tiny").generate([PROMPTS[0]], GREEDY, speculative=True)
+    assert out["token_ids"] == req.output_ids and out["accept_lengths"] == req.accept_lengths
+
+
+def test_the_demo_reference_is_a_hand_built_engine():
+    from common.tokenizer import load_tokenizer
+    from router.demo import DEMO_PROMPTS, local_reference
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    tokenizer = load_tokenizer("tiny")
+    expected = [r.output_ids for r in
+                by_hand().generate([tokenizer.encode(p) for p in DEMO_PROMPTS], params)]
+    assert local_reference("tiny", DEMO_PROMPTS, params) == expected
