@@ -55,7 +55,7 @@ def fingerprint_for(config: ModelConfig) -> str:
 async def serve(shape: str, num_pages: int) -> None:
     """The decode side: real pools, a weightless model, the real servicer."""
     from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
-    from common.model.qwen3_5 import model_class_for
+    from common.model.family_registry import model_class_for
     from decode_service.server import build_decode_service
 
     config = config_for(shape)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from common.config import ModelConfig
+from common.model.family_registry import parse_model_config
 
 _QWEN3_5_COMMON = {
     "head_dim": 256, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
@@ -32,7 +33,7 @@ SHAPES = {"qwen3.5-4b": QWEN3_5_4B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
 def shape_config(name: str) -> ModelConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
-    return ModelConfig.from_dict(dict(SHAPES[name]))
+    return parse_model_config(dict(SHAPES[name]))
 
 
 # A z-lab-style DFLASH draft for the 4B target (geometry of z-lab's Qwen3-4B-DFlash-b16 draft;

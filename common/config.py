@@ -1,50 +1,16 @@
-"""Model architecture read from a checkpoint's own ``config.json``.
+"""Model architecture of a hybrid Gated-DeltaNet text model, and its parse from a flat dict.
 
-Supported ``model_type`` values: ``qwen3_next``, ``qwen3_5_text``, ``qwen3_5_moe_text``, and the
-wrappers ``qwen3_5`` / ``qwen3_5_moe`` whose text config sits under ``text_config``. Nothing here
-hard-codes a released model's numbers: every field comes from the file or from transformers'
-documented default for that model type.
+Which ``model_type`` values exist, their defaults and their fixed choices belong to the model
+families (``common/model/families/``); ``common/model/family_registry.py`` finds the family of a
+``config.json`` and gives this module a flat dict with every field filled.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
-
-TEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-WRAPPER_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-
-# transformers' defaults per model type, used only where a config omits a field.
-_DEFAULTS = {
-    "qwen3_next": dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
-        num_attention_heads=16, num_key_value_heads=2, head_dim=256, rope_theta=10000.0,
-        partial_rotary_factor=0.25, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
-        decoder_sparse_step=1, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-        num_experts_per_tok=10, num_experts=512, norm_topk_prob=True, rms_norm_eps=1e-6,
-        full_attention_interval=4, tie_word_embeddings=False,
-    ),
-    "qwen3_5_text": dict(
-        vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=256, rope_theta=10000000.0,
-        partial_rotary_factor=0.25, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
-        rms_norm_eps=1e-6, full_attention_interval=4, tie_word_embeddings=False, num_experts=0,
-    ),
-    "qwen3_5_moe_text": dict(
-        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
-        num_key_value_heads=2, head_dim=256, rope_theta=10000000.0, partial_rotary_factor=0.25,
-        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
-        shared_expert_intermediate_size=512, num_experts_per_tok=8, num_experts=256,
-        rms_norm_eps=1e-6, full_attention_interval=4, tie_word_embeddings=False,
-    ),
-}
 
 
 class ConfigError(ValueError):
@@ -133,35 +99,18 @@ class ModelConfig:
     def is_moe_layer(self, layer_id: int) -> bool:
         if self.num_experts <= 0:
             return False
-        if self.model_type == "qwen3_5_moe_text":
-            return True
         return (layer_id not in self.mlp_only_layers
                 and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     # loading
     @classmethod
-    def from_dict(cls, cfg: dict) -> "ModelConfig":
-        """Parse a ``config.json`` dict (flat text config or a wrapper with ``text_config``)."""
-        model_type = cfg.get("model_type")
-        is_wrapper = model_type in WRAPPER_MODEL_TYPES
-        text = dict(cfg.get("text_config") or {}) if is_wrapper else dict(cfg)
-        if is_wrapper:
-            text.setdefault("model_type", WRAPPER_MODEL_TYPES[model_type])
-            # small wrapper checkpoints keep tie_word_embeddings at the top level only
-            if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
-                text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-            for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
-                if key not in text and key in cfg:
-                    text[key] = cfg[key]
-        text_type = text.get("model_type")
-        if text_type not in TEXT_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type {model_type!r} is not supported; expected one of "
-                f"{list(TEXT_MODEL_TYPES) + list(WRAPPER_MODEL_TYPES)}")
-        merged = {**_DEFAULTS[text_type], **{k: v for k, v in text.items() if v is not None}}
-        if text_type == "qwen3_5_text":
-            merged["num_experts"] = 0
+    def from_fields(cls, model_type: str, merged: dict, *, is_wrapper: bool,
+                    raw: dict) -> "ModelConfig":
+        """Build from a flat text config whose family defaults are already merged in.
 
+        ``merged`` must hold every field without a fallback here (sizes, head counts, RoPE
+        theta); ``raw`` is the ``config.json`` dict as read, kept for reference only.
+        """
         rope = merged.get("rope_parameters") or merged.get("rope_scaling") or {}
         rope_theta = rope.get("rope_theta", merged.get("rope_theta"))
         partial = rope.get("partial_rotary_factor", merged.get("partial_rotary_factor"))
@@ -179,7 +128,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         dtype = str(merged.get("dtype") or merged.get("torch_dtype") or "float32")
         return cls(
-            model_type=text_type,
+            model_type=model_type,
             vocab_size=int(merged["vocab_size"]),
             hidden_size=int(merged["hidden_size"]),
             num_hidden_layers=num_layers,
@@ -199,7 +148,6 @@ class ModelConfig:
             num_experts_per_tok=int(merged.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(merged.get("moe_intermediate_size") or 0),
             shared_expert_intermediate_size=int(merged.get("shared_expert_intermediate_size") or 0),
-            # Qwen3.5-MoE dropped the field and always renormalises the top-k weights.
             norm_topk_prob=bool(merged.get("norm_topk_prob", True)),
             decoder_sparse_step=int(merged.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(merged.get("mlp_only_layers") or ()),
@@ -210,13 +158,5 @@ class ModelConfig:
             bos_token_id=merged.get("bos_token_id"),
             is_wrapper=is_wrapper,
             max_position_embeddings=int(merged.get("max_position_embeddings") or 262144),
-            raw=cfg,
+            raw=raw,
         )
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
-        """Read ``config.json`` from a checkpoint directory."""
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise ConfigError(f"no config.json in {path}")
-        return cls.from_dict(json.loads(file.read_text()))

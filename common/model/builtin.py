@@ -13,6 +13,7 @@ import math
 import torch
 
 from common.config import ModelConfig
+from common.model.family_registry import parse_model_config
 
 TINY_NAME = "tiny"
 TINY_SEED = 20261129
@@ -44,7 +45,7 @@ TINY_CONFIG = {
 
 
 def tiny_config() -> ModelConfig:
-    return ModelConfig.from_dict(dict(TINY_CONFIG))
+    return parse_model_config(dict(TINY_CONFIG))
 
 
 @torch.no_grad()

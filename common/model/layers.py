@@ -305,7 +305,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         c = config
         self.top_k = c.num_experts_per_tok
-        self.norm_topk_prob = c.norm_topk_prob or c.model_type == "qwen3_5_moe_text"
+        self.norm_topk_prob = c.norm_topk_prob
         self.gate = Linear(c.hidden_size, c.num_experts, dtype)
         self.experts = PackedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype)
         self.has_shared_expert = c.shared_expert_intermediate_size > 0

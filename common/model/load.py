@@ -9,16 +9,17 @@ import torch
 
 from common.config import ModelConfig
 from common.model.builtin import TINY_NAME, fill_deterministic, tiny_config
+from common.model.family_registry import model_class_for, read_model_config
 from common.model.kernels import Kernels
 from common.model.loader import load_weights
-from common.model.qwen3_5 import HybridForCausalLM, model_class_for
+from common.model.qwen3_5 import HybridForCausalLM
 from common.model.registry import resolve_model
 
 
 def load_config(name_or_path: str) -> ModelConfig:
     if name_or_path == TINY_NAME:
         return tiny_config()
-    return ModelConfig.from_pretrained(resolve_model(name_or_path))
+    return read_model_config(resolve_model(name_or_path))
 
 
 def load_model(name_or_path: str, *, dtype: torch.dtype | None = None,

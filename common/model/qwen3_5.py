@@ -1,9 +1,10 @@
-"""The hybrid decoder (GDN + gated full attention) and its text-only wrapper classes.
+"""The hybrid decoder (GDN + gated full attention) and the causal-LM wrapper around it.
 
-``HybridModel`` (the body) owns the embedding, the layers and the final norm; the wrappers
-``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM`` and ``Qwen3NextForCausalLM`` own ``lm_head``
-and the logits. Every hook the runtime needs is on the wrapper and delegates to the body, so code
-that holds a wrapper never reaches inside it.
+``HybridModel`` (the body) owns the embedding, the layers and the final norm; the wrapper
+``HybridForCausalLM`` owns ``lm_head`` and the logits. Each model family subclasses the wrapper
+(``common/model/families/``: ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``,
+``Qwen3NextForCausalLM``). Every hook the runtime needs is on the wrapper and delegates to the
+body, so code that holds a wrapper never reaches inside it.
 """
 
 from __future__ import annotations
@@ -144,7 +145,10 @@ class HybridModel(nn.Module):
 
 
 class HybridForCausalLM(nn.Module):
-    """Wrapper: owns ``lm_head`` and turns the body's hidden states into logits."""
+    """Wrapper: owns ``lm_head`` and turns the body's hidden states into logits.
+
+    A family's subclass names the one ``ModelConfig.model_type`` it serves in ``model_types``.
+    """
 
     model_types: tuple[str, ...] = ()
 
@@ -216,26 +220,3 @@ class HybridForCausalLM(nn.Module):
         """
         self.model.commit_verified(batch, accepted_lens, state_pool=state_pool,
                                    kernels=self.kernels)
-
-
-class Qwen3_5ForCausalLM(HybridForCausalLM):
-    model_types = ("qwen3_5_text",)
-
-
-class Qwen3_5MoeForCausalLM(HybridForCausalLM):
-    model_types = ("qwen3_5_moe_text",)
-
-
-class Qwen3NextForCausalLM(HybridForCausalLM):
-    model_types = ("qwen3_next",)
-
-
-WRAPPER_CLASSES: dict[str, type[HybridForCausalLM]] = {
-    "qwen3_5_text": Qwen3_5ForCausalLM,
-    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
-    "qwen3_next": Qwen3NextForCausalLM,
-}
-
-
-def model_class_for(config: ModelConfig) -> type[HybridForCausalLM]:
-    return WRAPPER_CLASSES[config.model_type]

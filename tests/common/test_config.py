@@ -1,10 +1,12 @@
-"""ModelConfig.from_dict: each model type, transformers' defaults, wrappers, and refusals."""
+"""ModelConfig as parse_model_config builds it: each model type, transformers' defaults,
+wrappers, and refusals."""
 
 import json
 
 import pytest
 
-from common.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig
+from common.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError
+from common.model.family_registry import parse_model_config, read_model_config
 
 
 def small(model_type, **over):
@@ -17,7 +19,7 @@ def small(model_type, **over):
 
 
 def test_qwen3_5_text_defaults_fill_what_the_file_omits():
-    c = ModelConfig.from_dict({"model_type": "qwen3_5_text"})
+    c = parse_model_config({"model_type": "qwen3_5_text"})
     assert (c.vocab_size, c.hidden_size, c.num_hidden_layers) == (248320, 4096, 32)
     assert c.rope_theta == 10000000.0 and c.partial_rotary_factor == 0.25
     assert c.num_experts == 0 and not c.is_moe_layer(0)
@@ -25,36 +27,36 @@ def test_qwen3_5_text_defaults_fill_what_the_file_omits():
 
 
 def test_qwen3_5_text_is_dense_even_when_the_file_names_experts():
-    c = ModelConfig.from_dict(small("qwen3_5_text", num_experts=8))
+    c = parse_model_config(small("qwen3_5_text", num_experts=8))
     assert c.num_experts == 0
 
 
 def test_qwen3_next_defaults_and_sparse_step():
-    c = ModelConfig.from_dict({"model_type": "qwen3_next"})
+    c = parse_model_config({"model_type": "qwen3_next"})
     assert (c.num_experts, c.num_experts_per_tok, c.rope_theta) == (512, 10, 10000.0)
-    c = ModelConfig.from_dict(small("qwen3_next", num_experts=4, num_experts_per_tok=2,
+    c = parse_model_config(small("qwen3_next", num_experts=4, num_experts_per_tok=2,
                                     decoder_sparse_step=2, mlp_only_layers=[3]))
     assert [c.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
 
 
 def test_qwen3_5_moe_text_every_layer_is_moe():
-    c = ModelConfig.from_dict(small("qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+    c = parse_model_config(small("qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
                                     decoder_sparse_step=2, mlp_only_layers=[1]))
     assert all(c.is_moe_layer(i) for i in range(4))
     assert c.norm_topk_prob  # the field is gone from the family: always renormalised
 
 
 def test_layer_types_default_to_every_fourth_full_attention():
-    c = ModelConfig.from_dict(small("qwen3_5_text", num_hidden_layers=8))
+    c = parse_model_config(small("qwen3_5_text", num_hidden_layers=8))
     assert c.full_attention_layers == (3, 7)
     assert c.linear_attention_layers == (0, 1, 2, 4, 5, 6)
-    c = ModelConfig.from_dict(small("qwen3_5_text", full_attention_interval=2))
+    c = parse_model_config(small("qwen3_5_text", full_attention_interval=2))
     assert c.full_attention_layers == (1, 3)
 
 
 def test_explicit_layer_types_win():
     types = [FULL_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION]
-    c = ModelConfig.from_dict(small("qwen3_5_text", layer_types=types))
+    c = parse_model_config(small("qwen3_5_text", layer_types=types))
     assert c.layer_types == tuple(types)
 
 
@@ -63,7 +65,7 @@ def test_explicit_layer_types_win():
 def test_wrapper_reads_text_config_and_top_level_fallbacks(wrapper, text_type):
     text = small(text_type)
     del text["model_type"]
-    c = ModelConfig.from_dict({"model_type": wrapper, "text_config": text,
+    c = parse_model_config({"model_type": wrapper, "text_config": text,
                                "tie_word_embeddings": True, "eos_token_id": [5, 6],
                                "torch_dtype": "torch.bfloat16"})
     assert c.model_type == text_type and c.is_wrapper
@@ -72,14 +74,14 @@ def test_wrapper_reads_text_config_and_top_level_fallbacks(wrapper, text_type):
 
 
 def test_wrapper_text_config_values_win_over_top_level():
-    c = ModelConfig.from_dict({"model_type": "qwen3_5",
+    c = parse_model_config({"model_type": "qwen3_5",
                                "text_config": small("qwen3_5_text", eos_token_id=9),
                                "eos_token_id": 1})
     assert c.eos_token_ids == (9,)
 
 
 def test_rope_parameters_override_flat_fields_and_nulls_fall_back_to_defaults():
-    c = ModelConfig.from_dict(small("qwen3_5_text", rope_theta=1.0, head_dim=None,
+    c = parse_model_config(small("qwen3_5_text", rope_theta=1.0, head_dim=None,
                                     rope_parameters={"rope_theta": 500.0,
                                                      "partial_rotary_factor": 0.5,
                                                      "rope_type": "default"}))
@@ -88,14 +90,14 @@ def test_rope_parameters_override_flat_fields_and_nulls_fall_back_to_defaults():
 
 
 def test_derived_sizes():
-    c = ModelConfig.from_dict(small("qwen3_5_text"))
+    c = parse_model_config(small("qwen3_5_text"))
     assert (c.key_dim, c.value_dim, c.conv_dim) == (16, 32, 64)
 
 
 @pytest.mark.parametrize("cfg,match", [
     ({"model_type": "llama"}, "not supported"),
     ({}, "not supported"),
-    ({"model_type": "qwen3_5", "text_config": {"model_type": "llama"}}, "not supported"),
+    ({"model_type": "qwen3_5", "text_config": {"model_type": "llama"}}, "expected .qwen3_5_text."),
     (small("qwen3_5_text", rope_scaling={"rope_type": "yarn"}), "rope_type 'yarn'"),
     (small("qwen3_5_text", layer_types=[LINEAR_ATTENTION] * 3), "layer_types has 3"),
     (small("qwen3_5_text", layer_types=["sliding"] * 4), "unknown layer types"),
@@ -105,11 +107,11 @@ def test_derived_sizes():
 ])
 def test_refusals(cfg, match):
     with pytest.raises(ConfigError, match=match):
-        ModelConfig.from_dict(cfg)
+        parse_model_config(cfg)
 
 
-def test_from_pretrained_reads_config_json(tmp_path):
+def test_read_model_config_reads_config_json(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
-        ModelConfig.from_pretrained(tmp_path)
+        read_model_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(small("qwen3_next")))
-    assert ModelConfig.from_pretrained(tmp_path).model_type == "qwen3_next"
+    assert read_model_config(tmp_path).model_type == "qwen3_next"

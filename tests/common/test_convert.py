@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from common import convert
-from common.config import ModelConfig
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.manifest import FieldSpec
@@ -16,6 +15,7 @@ from common.handoff.payload import HandoffPayload
 from common.handoff.stream import assemble_payload, split_payload
 from common.load_report import LoadReport
 from common.logprobs import TokenLogprobs
+from common.model.family_registry import parse_model_config
 from common.pb.flashsplit.v1 import decode_pb2, types_pb2
 from common.sampling import SamplingParams
 
@@ -26,7 +26,7 @@ TINY = {
     "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "intermediate_size": 64,
     "full_attention_interval": 2,
 }
-LAYOUT = LayoutDescriptor.from_model(ModelConfig.from_dict(TINY), 16, torch.bfloat16)
+LAYOUT = LayoutDescriptor.from_model(parse_model_config(TINY), 16, torch.bfloat16)
 
 
 def _wire(msg):

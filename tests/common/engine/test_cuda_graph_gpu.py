@@ -139,12 +139,11 @@ def test_replay_logits_match_eager(models, record_metric):
 def moe_model():
     """Qwen3.5-35B-A3B's layer shapes (256 experts, top 8), 4 layers, random bf16 weights."""
     from benchmarks.shapes import QWEN3_5_35B_A3B
-    from common.config import ModelConfig
     from common.model.builtin import fill_deterministic
-    from common.model.qwen3_5 import model_class_for
+    from common.model.family_registry import model_class_for, parse_model_config
     from common.ops.gpu_backends import select_kernels
 
-    config = ModelConfig.from_dict({**QWEN3_5_35B_A3B, "num_hidden_layers": 4})
+    config = parse_model_config({**QWEN3_5_35B_A3B, "num_hidden_layers": 4})
     with torch.device("cuda"):
         model = model_class_for(config)(config, kernels=select_kernels("gpu"))
     fill_deterministic(model.named_parameters(), seed=3, device="cuda")

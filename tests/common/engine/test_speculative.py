@@ -10,15 +10,14 @@ import pytest
 import torch
 
 import common.engine.speculative as speculative_module
-from common.config import ModelConfig
 from common.engine.acceptance import Acceptance
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
 from common.model.builtin import fill_deterministic, fill_draft_deterministic
 from common.model.dflash import DFlashDraftModel, load_draft
 from common.model.dflash_config import DFlashConfig
+from common.model.family_registry import model_class_for, parse_model_config
 from common.model.load import load_model
-from common.model.qwen3_5 import model_class_for
 from common.sampling import SamplingParams
 from tests.common.model.draft_checkpoints import draft_config_dict
 
@@ -101,7 +100,7 @@ SAMPLED = SamplingParams(temperature=1.3, top_k=5, max_new_tokens=4, ignore_eos=
 
 
 def small_models():
-    config = ModelConfig.from_dict(dict(SMALL_TARGET))
+    config = parse_model_config(dict(SMALL_TARGET))
     target = model_class_for(config)(config)
     with torch.no_grad():
         fill_deterministic(target.named_parameters(), seed=11)

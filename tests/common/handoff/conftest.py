@@ -8,6 +8,7 @@ import torch
 from common.config import ModelConfig
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
 from common.handoff.payload import HandoffPayload, new_handoff_id
+from common.model.family_registry import parse_model_config
 from common.sampling import SamplingParams
 
 TINY = {
@@ -26,7 +27,7 @@ def tiny_dict() -> dict:
 
 @pytest.fixture
 def config() -> ModelConfig:
-    return ModelConfig.from_dict(TINY)
+    return parse_model_config(TINY)
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from common.config import ModelConfig
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
+from common.model.family_registry import parse_model_config
 
 
 def test_from_model(config, layout):
@@ -45,9 +45,9 @@ def test_check_compatible_names_every_difference(layout):
 
 def test_fingerprint(config, tiny_dict):
     fp = model_fingerprint(config, "random:0")
-    assert len(fp) == 64 and fp == model_fingerprint(ModelConfig.from_dict(tiny_dict), "random:0")
+    assert len(fp) == 64 and fp == model_fingerprint(parse_model_config(tiny_dict), "random:0")
     assert fp != model_fingerprint(config, "random:1")
-    assert fp != model_fingerprint(ModelConfig.from_dict({**tiny_dict, "rms_norm_eps": 1e-5}),
+    assert fp != model_fingerprint(parse_model_config({**tiny_dict, "rms_norm_eps": 1e-5}),
                                    "random:0")
     # keys the architecture does not read leave it unchanged
-    assert fp == model_fingerprint(ModelConfig.from_dict({**tiny_dict, "comment": "x"}), "random:0")
+    assert fp == model_fingerprint(parse_model_config({**tiny_dict, "comment": "x"}), "random:0")

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.config import LINEAR_ATTENTION, ModelConfig
+from common.model.family_registry import model_class_for, read_model_config
 from common.model.loader import WeightLoadError, load_weights
 from tests.common.model.checkpoints import KINDS, load_hf_model, make_checkpoint
 
@@ -158,7 +159,7 @@ def pack_experts(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def load(path: Path, params=None, **kw) -> dict[str, torch.Tensor]:
-    config = ModelConfig.from_pretrained(path)
+    config = read_model_config(path)
     params = doc_params(config) if params is None else params
     load_weights(params, path, config, **kw)
     return params
@@ -169,17 +170,16 @@ def load(path: Path, params=None, **kw) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_loads_every_kind_with_transformers_values(ckpt, kind):
     path = ckpt(kind)
-    config = ModelConfig.from_pretrained(path)
+    config = read_model_config(path)
     params = load(path)
     assert_params_equal(params, hf_expected(load_hf_model(kind, path), config))
 
 
 @pytest.mark.parametrize("kind,tie", [(kind, False) for kind in KINDS] + [("qwen3_5", True)])
 def test_loads_into_our_model(ckpt, kind, tie):
-    qwen3_5 = pytest.importorskip("common.model.qwen3_5")
     path = ckpt(kind, tie=tie)
-    config = ModelConfig.from_pretrained(path)
-    model = qwen3_5.model_class_for(config)(config, dtype=torch.float32)
+    config = read_model_config(path)
+    model = model_class_for(config)(config, dtype=torch.float32)
     params = dict(model.named_parameters())
     documented = doc_params(config)
     assert {n: tuple(p.shape) for n, p in params.items()} == \
@@ -192,7 +192,7 @@ def test_loads_into_our_model(ckpt, kind, tie):
 
 def test_qwen3_next_deinterleave_matches_transformers(ckpt):
     path = ckpt("qwen3_next")
-    config = ModelConfig.from_pretrained(path)
+    config = read_model_config(path)
     hf = load_hf_model("qwen3_next", path)
     params = load(path)
     x = torch.randn(1, 5, config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -220,7 +220,7 @@ def test_sharded_checkpoint(ckpt):
 @pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_5"])
 def test_tied_head(ckpt, tmp_path, kind):
     path = ckpt(kind, tie=True)
-    config = ModelConfig.from_pretrained(path)
+    config = read_model_config(path)
     assert config.tie_word_embeddings
     assert "lm_head.weight" not in load_file(path / "model.safetensors")
     expected = hf_expected(load_hf_model(kind, path), config)
@@ -246,7 +246,7 @@ def test_packed_and_per_expert_moe_load_the_same(ckpt, tmp_path):
     packed = rewrite(per_expert, tmp_path / "packed", pack_experts)
     packed_tensors = load_file(packed / "model.safetensors")
     assert packed_tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
-    config = ModelConfig.from_pretrained(per_expert)
+    config = read_model_config(per_expert)
     expected = hf_expected(load_hf_model("qwen3_5_moe_text", per_expert), config)
     assert_params_equal(load(per_expert), expected)
     assert_params_equal(load(packed), expected)
@@ -270,7 +270,7 @@ def test_visual_and_mtp_tensors_are_ignored(ckpt, tmp_path):
 
 def test_dtype_conversion_and_progress(ckpt, capsys, monkeypatch):
     path = ckpt("qwen3_5_moe_text")
-    config = ModelConfig.from_pretrained(path)
+    config = read_model_config(path)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the bar is for terminals only
     monkeypatch.delenv("FLASHSPLIT_NO_PROGRESS", raising=False)
     params = load(path, doc_params(config, torch.bfloat16), progress=True)
@@ -339,7 +339,7 @@ def test_every_expert_piece_must_be_present(ckpt, tmp_path):
 
 
 def test_per_expert_and_packed_together_is_a_duplicate(ckpt, tmp_path):
-    config = ModelConfig.from_pretrained(ckpt("qwen3_5_moe_text"))
+    config = read_model_config(ckpt("qwen3_5_moe_text"))
     e, im, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
     path = rewrite(ckpt("qwen3_5_moe_text"), tmp_path / "both",
                    _set("model.layers.1.mlp.experts.down_proj", (e, h, im)))
@@ -349,6 +349,6 @@ def test_per_expert_and_packed_together_is_a_duplicate(ckpt, tmp_path):
 
 def test_no_checkpoint_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
-    config = ModelConfig.from_pretrained(tmp_path)
+    config = read_model_config(tmp_path)
     with pytest.raises(WeightLoadError, match="model.safetensors"):
         load_weights({}, tmp_path, config)

@@ -8,7 +8,7 @@ import torch
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine, make_pools
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.load import load_model
-from common.model.qwen3_5 import WRAPPER_CLASSES
+from common.model.family_registry import families
 from common.sampling import SamplingParams
 from tests.common.model.checkpoints import KINDS, load_hf_model, make_checkpoint
 
@@ -151,11 +151,10 @@ def test_batched_decode_with_chunked_engine_matches_single(dense_model):
         assert req.output_ids == solo.output_ids
 
 
-@pytest.mark.parametrize("cls", sorted(set(WRAPPER_CLASSES.values()), key=lambda c: c.__name__))
-def test_every_wrapper_exposes_the_capture_hook(cls, checkpoints):
-    kind = {"Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
-            "Qwen3NextForCausalLM": "qwen3_next"}[cls.__name__]
-    model = load_model(str(checkpoints[kind]))
+@pytest.mark.parametrize("family", families(), ids=lambda f: f.text_model_type)
+def test_every_wrapper_exposes_the_capture_hook(family, checkpoints):
+    cls = family.wrapper
+    model = load_model(str(checkpoints[family.text_model_type]))
     assert type(model) is cls
     assert callable(getattr(cls, "set_dflash_layers_to_capture", None))
     with pytest.raises(ValueError, match="None"):

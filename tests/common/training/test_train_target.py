@@ -44,10 +44,10 @@ def test_our_model_serves_it_as_transformers_computes_it(trained_target):
 
 
 def test_pycoder_architecture_is_a_servable_config():
-    from common.config import ModelConfig
+    from common.model.family_registry import parse_model_config
 
-    config = ModelConfig.from_dict({"model_type": "qwen3_5_text", "vocab_size": 8192,
-                                    **PYCODER_ARCH})
+    config = parse_model_config({"model_type": "qwen3_5_text", "vocab_size": 8192,
+                                **PYCODER_ARCH})
     assert config.full_attention_layers == (3, 7) and config.rotary_dim == 32
     assert config.linear_key_head_dim == config.head_dim == 128  # the GPU kernels' fast path
 

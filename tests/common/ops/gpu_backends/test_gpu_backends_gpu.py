@@ -126,7 +126,7 @@ def test_tiny_model_greedy_tokens_match(record_metric):
 def model_4b_2l():
     from benchmarks.shapes import shape_config
     from common.model.builtin import fill_deterministic
-    from common.model.qwen3_5 import model_class_for
+    from common.model.family_registry import model_class_for
 
     config = dataclasses.replace(shape_config("qwen3.5-4b"), num_hidden_layers=2,
                                  layer_types=("linear_attention", "full_attention"))
