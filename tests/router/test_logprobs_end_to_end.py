@@ -61,9 +61,10 @@ def check(model, prompt, out, num_top, atol=1e-4):
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
 def test_greedy_logprobs_across_the_split(cluster, model, speculative):
-    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logprobs=3,
+                            speculative=speculative)
     for prompt in PROMPTS:
-        out = run_grpc(cluster, prompt, params, speculative)
+        out = run_grpc(cluster, prompt, params)
         assert len(out.token_ids) == 12
         check(model, prompt, out, 3)
         if speculative:  # every token after the first came from a DFLASH step
