@@ -34,6 +34,7 @@ from common.config import ModelConfig
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
 from common.handoff.payload import HandoffPayload, new_handoff_id
 from common.model.builtin import tiny_config
+from common.request_spec import RequestSpec
 from common.sampling import SamplingParams
 
 PAGE_SIZE = 16
@@ -80,9 +81,9 @@ def make_payload(config: ModelConfig, prompt_len: int) -> HandoffPayload:
         fields[name] = torch.randn(layout.field_shape(name, prompt_len), generator=gen).to(dtype)
     ids = torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).tolist()
     return HandoffPayload(handoff_id=new_handoff_id(), fingerprint=fingerprint_for(config),
-                          layout=layout, prompt_ids=tuple(ids), first_token=1,
-                          sampling=SamplingParams(temperature=0.0, max_new_tokens=1),
-                          fields=fields)
+                          layout=layout, first_token=1, fields=fields,
+                          spec=RequestSpec("", tuple(ids),
+                                           SamplingParams(temperature=0.0, max_new_tokens=1)))
 
 
 def copy_seconds(payload: HandoffPayload, repeats: int) -> float:

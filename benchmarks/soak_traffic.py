@@ -96,17 +96,16 @@ class Traffic:
         return await self._checked("greedy", greedy(), index=index)
 
     async def _checked(self, kind: str, params: SamplingParams,
-                       speculative: bool | None = None, index: int | None = None) -> Outcome:
+                       index: int | None = None) -> Outcome:
         i = self.rng.randrange(len(self.prompts)) if index is None else index
-        tokens, _ = await self._stream(request_to_pb(token_ids=self.prompts[i], params=params,
-                                                     speculative=speculative))
+        tokens, _ = await self._stream(request_to_pb(token_ids=self.prompts[i], params=params))
         return Outcome(kind, "completed", checked=True, matched=tokens == self.oracle[i])
 
     async def _greedy(self, kind: str) -> Outcome:
         return await self._checked(kind, greedy())
 
     async def _greedy_no_spec(self, kind: str) -> Outcome:
-        return await self._checked(kind, greedy(), speculative=False)
+        return await self._checked(kind, greedy(speculative=False))
 
     async def _tiny_temperature(self, kind: str) -> Outcome:
         # below the sampler's greedy threshold: the same tokens as temperature 0

@@ -17,7 +17,8 @@ from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, PoolCopyPar
 from common.limits import check_request_id, unique_stop_token_ids
 from common.load_report import LoadReport
 from common.logprobs import TokenLogprobs
-from common.pb.flashsplit.v1 import decode_pb2, types_pb2
+from common.pb.flashsplit.v1 import decode_pb2, prefill_pb2, types_pb2
+from common.request_spec import RequestSpec
 from common.sampling import SamplingParams
 
 # finish reasons: the engines' strings <-> the wire enum ("" = not finished)
@@ -31,9 +32,11 @@ _FINISH_TO_PB = {
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 _KIND_TO_PB = {"prefill": types_pb2.WORKER_KIND_PREFILL, "decode": types_pb2.WORKER_KIND_DECODE}
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
-# SamplingParams fields with explicit presence on the wire, in declaration order
+# SamplingParams fields with explicit presence on the wire, in declaration order: written when
+# not None and read when present, so this one list is the conversion both ways (the one
+# repeated field, stop_token_ids, is beside it)
 _SAMPLING_SCALARS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_new_tokens",
-                     "ignore_eos", "logprobs")
+                     "ignore_eos", "logprobs", "speculative")
 
 
 def finish_reason_to_pb(reason: str | None) -> int:
@@ -54,34 +57,46 @@ def finish_reason_from_pb(value: int) -> str:
 
 
 # sampling
-def sampling_to_pb(params: SamplingParams,
-                   speculative: bool | None = None) -> types_pb2.SamplingParams:
-    """Every field set (fully resolved); ``seed``, ``logprobs`` and ``speculative`` only when
-    not None."""
-    msg = types_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-        min_p=params.min_p, max_new_tokens=params.max_new_tokens,
-        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
-    if params.seed is not None:
-        msg.seed = params.seed
-    if params.logprobs is not None:
-        msg.logprobs = params.logprobs
-    if speculative is not None:
-        msg.speculative = speculative
+def sampling_to_pb(params: SamplingParams) -> types_pb2.SamplingParams:
+    """Every field set (fully resolved); those that may be None (``seed``, ``logprobs``,
+    ``speculative``) only when they are not."""
+    msg = types_pb2.SamplingParams(stop_token_ids=list(params.stop_token_ids))
+    for name in _SAMPLING_SCALARS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
     return msg
 
 
 def sampling_from_pb(msg: types_pb2.SamplingParams) -> SamplingParams:
     """Set fields as given, unset ones at ``SamplingParams``' defaults.
 
-    Presence, not value, decides: an explicit ``temperature: 0`` stays 0 (greedy). Stop ids are
-    de-duplicated (first occurrence kept). Raises ``ValueError`` for values ``SamplingParams``
-    rejects and for more than ``common.limits.MAX_STOP_TOKEN_IDS`` distinct stop ids.
+    Presence, not value, decides: an explicit ``temperature: 0`` stays 0 (greedy), an unset
+    ``speculative`` leaves the choice to the worker. Stop ids are de-duplicated (first
+    occurrence kept). Raises ``ValueError`` for values ``SamplingParams`` rejects and for more
+    than ``common.limits.MAX_STOP_TOKEN_IDS`` distinct stop ids.
     """
     kwargs = {name: getattr(msg, name) for name in _SAMPLING_SCALARS if msg.HasField(name)}
     if msg.stop_token_ids:
         kwargs["stop_token_ids"] = unique_stop_token_ids(msg.stop_token_ids)
     return SamplingParams(**kwargs)
+
+
+# request spec: ``PrefillRequest`` and ``HandoffHeader`` name its fields alike
+def request_spec_to_pb(spec: RequestSpec) -> dict:
+    """The spec's fields of a ``PrefillRequest`` or ``HandoffHeader``, as constructor keywords."""
+    return {"request_id": spec.request_id, "prompt_token_ids": list(spec.prompt_ids),
+            "sampling": sampling_to_pb(spec.sampling)}
+
+
+def request_spec_from_pb(msg: prefill_pb2.PrefillRequest | decode_pb2.HandoffHeader
+                         ) -> RequestSpec:
+    """The spec a ``PrefillRequest`` or ``HandoffHeader`` carries; ``ValueError`` for a request id
+    over ``common.limits.MAX_REQUEST_ID_BYTES`` or sampling settings ``sampling_from_pb``
+    rejects."""
+    check_request_id(msg.request_id)
+    return RequestSpec(msg.request_id, tuple(msg.prompt_token_ids),
+                       sampling_from_pb(msg.sampling))
 
 
 def logprobs_to_pb(logprobs: TokenLogprobs) -> types_pb2.TokenLogprobs:
@@ -96,11 +111,6 @@ def logprobs_from_pb(msg: types_pb2.TokenLogprobs) -> TokenLogprobs:
         raise ValueError(f"log-probabilities with {len(msg.top_token_ids)} top token ids but "
                          f"{len(msg.top_logprobs)} values")
     return TokenLogprobs(msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
-
-
-def speculative_from_pb(msg: types_pb2.SamplingParams) -> bool | None:
-    """The request's speculative-decoding choice; None when it left it to the worker."""
-    return msg.speculative if msg.HasField("speculative") else None
 
 
 # layout and manifest
@@ -166,10 +176,8 @@ def handoff_part_to_pb(part: HandoffPart) -> decode_pb2.HandoffMessage:
         return decode_pb2.HandoffMessage(header=decode_pb2.HandoffHeader(
             handoff_id=part.handoff_id, model_fingerprint=part.fingerprint,
             layout=layout_to_pb(part.layout), prompt_len=part.prompt_len,
-            prompt_token_ids=list(part.prompt_ids),
-            sampling=sampling_to_pb(part.sampling, part.speculative),
-            manifest=manifest_to_bytes(part.manifest), request_id=part.request_id,
-            source_pools=part.source_pools))
+            manifest=manifest_to_bytes(part.manifest), source_pools=part.source_pools,
+            **request_spec_to_pb(part.spec)))
     if isinstance(part, PoolCopyPart):
         return decode_pb2.HandoffMessage(pool_copy=decode_pb2.PoolCopy(
             field=part.field, src_index=list(part.src_index), dst_start=part.dst_start))
@@ -210,18 +218,12 @@ def handoff_part_from_pb(msg: decode_pb2.HandoffMessage) -> HandoffPart:
         raise HandoffError("INVALID_ARGUMENT", f"prompt_len {h.prompt_len} but "
                            f"{len(h.prompt_token_ids)} prompt token ids")
     try:
-        sampling = sampling_from_pb(h.sampling)
+        spec = request_spec_from_pb(h)
     except ValueError as err:
-        raise HandoffError("INVALID_ARGUMENT", f"bad sampling settings: {err}") from None
-    try:
-        check_request_id(h.request_id)
-    except ValueError as err:
-        raise HandoffError("INVALID_ARGUMENT", str(err)) from None
+        raise HandoffError("INVALID_ARGUMENT", f"bad request in the header: {err}") from None
     return HeaderPart(
         handoff_id=h.handoff_id, fingerprint=h.model_fingerprint, layout=layout_from_pb(h.layout),
-        prompt_ids=tuple(h.prompt_token_ids), sampling=sampling,
-        manifest=manifest_from_bytes(h.manifest), speculative=speculative_from_pb(h.sampling),
-        request_id=h.request_id, source_pools=h.source_pools)
+        spec=spec, manifest=manifest_from_bytes(h.manifest), source_pools=h.source_pools)
 
 
 # load

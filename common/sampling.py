@@ -57,6 +57,9 @@ class SamplingParams:
     logprobs: report each generated token's log-probability and those of the ``logprobs``
         most likely tokens at its position (0: the generated token's only), at most
         ``MAX_LOGPROBS``; None reports none (``common/logprobs.py`` says which distribution).
+    speculative: decode with the draft (True: a decode worker that has none refuses the request),
+        without it (False), or as the worker has it (None). It changes how tokens are found,
+        never which distribution they come from, so it sits with the other per-request choices.
     """
 
     temperature: float = 1.0
@@ -68,6 +71,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
@@ -90,6 +94,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
         check_num_logprobs(self.logprobs)
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be True, False or None, got {self.speculative!r}")
 
     @property
     def is_greedy(self) -> bool:

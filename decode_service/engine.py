@@ -75,7 +75,7 @@ class DecodeEngine(EngineLoop):
         self._check_draft_context(header)
         try:
             pages = e.scheduler.pages_for_budget(header.prompt_len,
-                                                 header.sampling.max_new_tokens)
+                                                 header.spec.sampling.max_new_tokens)
         except RequestTooLarge as exc:
             raise HandoffError("RESOURCE_EXHAUSTED", str(exc)) from None
         try:
@@ -87,7 +87,7 @@ class DecodeEngine(EngineLoop):
         except OutOfResources as exc:
             e.kv_pool.allocator.free(page_ids)
             raise HandoffError("RESOURCE_EXHAUSTED", str(exc)) from None
-        speculate = e.speculator is not None and header.speculative is not False
+        speculate = e.wants_speculation(header.spec.sampling.speculative)
         after = None
         if e.kv_pool.kv.device.type == "cuda":
             after = torch.cuda.Event()
@@ -106,7 +106,7 @@ class DecodeEngine(EngineLoop):
         and a request that asks for speculative decoding must get it (FAILED_PRECONDITION)."""
         spec = header.manifest.get("dflash_context")
         speculator = self.engine.speculator
-        if header.speculative and (speculator is None or spec is None):
+        if header.spec.sampling.speculative and (speculator is None or spec is None):
             why = ("this decode worker has no draft" if speculator is None else
                    "the prefill worker sent no draft context (it runs without one)")
             raise HandoffError(
@@ -140,7 +140,7 @@ class DecodeEngine(EngineLoop):
         if res.copied is not None:
             torch.cuda.current_stream().wait_event(res.copied)  # the bytes are in the pools
         try:
-            event = e.admit_prefilled(key, list(h.prompt_ids), first_token, h.sampling,
+            event = e.admit_prefilled(key, list(h.spec.prompt_ids), first_token, h.spec.sampling,
                                       res.page_ids, res.slot,
                                       speculative=res.has_draft_context,
                                       first_logprobs=first_logprobs)

@@ -84,7 +84,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 part = _handoff_part(message, raw)
                 if isinstance(part, HeaderPart):
                     assembler.check_header(part)
-                    bind_request_id(part.request_id)
+                    bind_request_id(part.spec.request_id)
                     source = await loop.run_in_executor(self.writer, self.peers.open,
                                                         part.source_pools)
                     assembler.start(part, await self._reserve(part, source),
@@ -135,7 +135,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise
         self.metrics.handoff_admitted(assembler.bytes_received, time.perf_counter() - began)
         log.info("handoff %016x admitted: %d prompt tokens, %d bytes",
-                 assembler.header.handoff_id, len(assembler.header.prompt_ids),
+                 assembler.header.handoff_id, assembler.header.prompt_len,
                  assembler.bytes_received)
         yield decode_pb2.HandoffReply(ack=decode_pb2.HandoffAck(
             handoff_id=assembler.header.handoff_id, bytes_received=assembler.bytes_received))

@@ -18,7 +18,7 @@ from common.engine.loop import EngineLoop, resolve
 from common.handoff.layout import LayoutDescriptor
 from common.logprobs import TokenLogprobs
 from common.metrics.prefill_metrics import PrefillMetrics
-from common.sampling import SamplingParams
+from common.request_spec import RequestSpec
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +29,11 @@ class PrefillAborted(Exception):
 
 @dataclass(frozen=True)
 class PrefillJob:
+    """One prompt to prefill: the request, and the handoff that carries its state to decode
+    (the engine keys the request by ``handoff_id``, so a retried attempt is a new one)."""
+
     handoff_id: int
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
-    request_id: str = ""
-    speculative: bool | None = None
+    spec: RequestSpec
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,7 @@ class PrefillEngine(EngineLoop):
     # --- engine thread ---
     def _add(self, job: PrefillJob, result: Future, sink: ReadySink, submitted: float) -> None:
         key = str(job.handoff_id)
-        self.engine.add_request(list(job.prompt_ids), job.params, request_id=key,
-                                speculative=job.speculative)
+        self.engine.add_request(list(job.spec.prompt_ids), job.spec.sampling, request_id=key)
         self._jobs[key] = (job, result, sink)
         self._reported[key] = 0
         self._submitted[key] = submitted

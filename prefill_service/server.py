@@ -14,7 +14,7 @@ import grpc
 
 from common import convert
 from common.grpc_util import abort_if_engine_stopped
-from common.limits import check_request_id, request_capacity_tokens
+from common.limits import request_capacity_tokens
 from common.logging_setup import bind_request_id
 from common.metrics.rpc_status import answered_status
 from common.load_report import LoadReport
@@ -44,7 +44,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         start = time.perf_counter()
         job = await self._validate(request, context)
-        bind_request_id(job.request_id)
+        bind_request_id(job.spec.request_id)
         if job.handoff_id in self._tasks:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"handoff {job.handoff_id} is already being prefilled")
@@ -90,13 +90,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.INTERNAL, str(exc))
             prefilled = time.perf_counter()
             timings = dict(queue_s=opened - start, prefill_s=prefilled - opened)
-            finished = stop_reason(first.token_id, 1, job.params, self.eos_token_ids)
+            finished = stop_reason(first.token_id, 1, job.spec.sampling, self.eos_token_ids)
             if finished is not None:
                 # nothing left to decode: drop the handoff (decode frees its room), the router
                 # ends the request here
                 return _with_logprobs(prefill_pb2.PrefillResponse(
                     handoff_id=job.handoff_id, first_token=first.token_id,
-                    prompt_len=len(job.prompt_ids),
+                    prompt_len=job.spec.prompt_len,
                     timings=prefill_pb2.PrefillTimings(**timings),
                     finish_reason=convert.finish_reason_to_pb(finished)), first)
             try:
@@ -107,10 +107,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.handoff_sent(handoff.bytes_sent, handoff_s, handoff.pool_copies)
             log.info("handoff %016x to %s: %d prompt tokens, %d bytes, acknowledged %.3f s "
                      "after the first token", job.handoff_id, decode_address,
-                     len(job.prompt_ids), handoff.bytes_sent, handoff_s)
+                     job.spec.prompt_len, handoff.bytes_sent, handoff_s)
             return _with_logprobs(prefill_pb2.PrefillResponse(
                 handoff_id=job.handoff_id, first_token=first.token_id,
-                prompt_len=len(job.prompt_ids),
+                prompt_len=job.spec.prompt_len,
                 timings=prefill_pb2.PrefillTimings(
                     **timings, handoff_s=handoff_s)), first)
         finally:
@@ -134,17 +134,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def _header(self, job: PrefillJob) -> HeaderPart:
         layout = self.engine.layout
         manifest = {name: FieldSpec(layout.field_dtype(name),
-                                    layout.field_shape(name, len(job.prompt_ids)))
+                                    layout.field_shape(name, job.spec.prompt_len))
                     for name in REQUIRED_FIELDS}
         draft_kv = self.engine.pools[3]
-        if draft_kv is not None and self.engine.engine.wants_speculation(job.speculative):
-            pages = layout.num_pages(len(job.prompt_ids))
+        asked = job.spec.sampling.speculative
+        if draft_kv is not None and self.engine.engine.wants_speculation(asked):
+            pages = layout.num_pages(job.spec.prompt_len)
             manifest["dflash_context"] = FieldSpec(
                 dtype_name(draft_kv.dtype), (draft_kv.shape[0], 2, pages, *draft_kv.shape[3:]))
         return HeaderPart(handoff_id=job.handoff_id, fingerprint=self.engine.fingerprint,
-                          layout=layout, prompt_ids=tuple(job.prompt_ids), sampling=job.params,
-                          manifest=manifest, speculative=job.speculative,
-                          request_id=job.request_id)
+                          layout=layout, spec=job.spec, manifest=manifest)
 
     async def _validate(self, request, context) -> PrefillJob:
         if request.handoff_id == 0:
@@ -164,14 +163,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                 f"prompt of {len(request.prompt_token_ids)} tokens; this "
                                 f"worker's pool holds at most {capacity}")
         try:
-            check_request_id(request.request_id)
-            params = convert.sampling_from_pb(request.sampling)
+            spec = convert.request_spec_from_pb(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return PrefillJob(handoff_id=request.handoff_id,
-                          prompt_ids=tuple(request.prompt_token_ids), params=params,
-                          request_id=request.request_id,
-                          speculative=convert.speculative_from_pb(request.sampling))
+        return PrefillJob(handoff_id=request.handoff_id, spec=spec)
 
     async def Abort(self, request: types_pb2.AbortRequest, context) -> types_pb2.AbortResponse:
         found = await asyncio.wrap_future(self.engine.abort(request.handoff_id))

@@ -46,7 +46,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens,
         stop_token_ids=tuple(parse_ids(args.stop_token_ids)), ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs)
+        logprobs=args.logprobs, speculative=speculative_choice(args))
 
 
 def logprobs_json(params: SamplingParams, logprobs) -> dict:
@@ -209,7 +209,7 @@ def run_local(args: argparse.Namespace, prompts: list[list[int]],
                               progress=True)  # a bar on terminals
     engine = build_engine(settings).engine
     start = time.perf_counter()
-    reqs = engine.generate(prompts, params, speculative=speculative_choice(args))
+    reqs = engine.generate(prompts, params)
     return reqs, time.perf_counter() - start
 
 
@@ -249,13 +249,10 @@ def generate_remote(args: argparse.Namespace, params: SamplingParams) -> int:
 
     from router.remote import generate, request_to_pb
 
-    speculative = speculative_choice(args)
     if args.prompt_ids is not None:
-        req = request_to_pb(token_ids=parse_ids(args.prompt_ids), params=params,
-                            speculative=speculative, stop=args.stop)
+        req = request_to_pb(token_ids=parse_ids(args.prompt_ids), params=params, stop=args.stop)
     else:
-        req = request_to_pb(text=args.prompt, params=params, speculative=speculative,
-                            stop=args.stop)
+        req = request_to_pb(text=args.prompt, params=params, stop=args.stop)
 
     def show(text: str) -> None:
         print(text, end="", flush=True)

@@ -17,12 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.channels import ChannelSecurity, make_channel
 from common.convert import (finish_reason_from_pb, load_report_from_pb, logprobs_from_pb,
-                            sampling_to_pb)
+                            request_spec_to_pb)
 from common.load_report import LoadReport
 from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import (decode_pb2, decode_pb2_grpc, prefill_pb2,
                                      prefill_pb2_grpc, types_pb2)
-from common.sampling import SamplingParams
+from common.request_spec import RequestSpec
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,8 @@ class PrefillCall:
     """What the router asks of a prefill worker."""
 
     handoff_id: int
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
+    spec: RequestSpec
     decode_address: str
-    request_id: str = ""
-    speculative: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -194,10 +191,9 @@ class WorkerClients:
                       deadline_s: float | None = None) -> PrefillResult:
         """Run a prompt; returns once decode acknowledged the handoff (or the request ended)."""
         stub = prefill_pb2_grpc.PrefillStub(self._channel(address))
-        req = prefill_pb2.PrefillRequest(
-            handoff_id=call.handoff_id, prompt_token_ids=list(call.prompt_ids),
-            sampling=sampling_to_pb(call.sampling, call.speculative),
-            decode_address=call.decode_address, request_id=call.request_id)
+        req = prefill_pb2.PrefillRequest(handoff_id=call.handoff_id,
+                                         decode_address=call.decode_address,
+                                         **request_spec_to_pb(call.spec))
         try:
             resp = await stub.Prefill(
                 req, timeout=self._timeout(self.config.prefill_timeout_s, deadline_s))

@@ -23,7 +23,7 @@ import grpc
 
 from common.handoff.payload import new_handoff_id
 from common.logprobs import TokenLogprobs
-from common.sampling import SamplingParams
+from common.request_spec import RequestSpec
 from router.client import (DecodeStream, PrefillCall, PrefillResult, TokenBatch,
                            WorkerCallError, WorkerClients)
 from router.attempt_failures import (AttemptFailed, DispatchError, EveryDecodeFull,  # noqa: F401
@@ -64,10 +64,7 @@ class DispatchConfig:
 class Job:
     """A validated request. arrival and deadline are readings of the dispatcher's clock."""
 
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    speculative: bool | None = None
+    spec: RequestSpec
     arrival: float = 0.0
     deadline: float | None = None
 
@@ -182,7 +179,7 @@ class Dispatcher:
                         yield chunk
                 return
             except AttemptFailed as failed:
-                log.warning("[%s] attempt %d on %s -> %s failed: %s", job.request_id, attempt,
+                log.warning("[%s] attempt %d on %s -> %s failed: %s", job.spec.request_id, attempt,
                             prefill, decode, failed.message)
                 failures.append(failed.message)
                 all_full = all_full and bool(failed.full)
@@ -213,11 +210,9 @@ class Dispatcher:
     async def _attempt(self, job: Job, prefill: str, decode: str,
                        attempt: int) -> AsyncIterator[Chunk]:
         handoff_id = new_handoff_id()
-        log.info("[%s] attempt %d: prefill %s, decode %s, handoff %016x", job.request_id,
+        log.info("[%s] attempt %d: prefill %s, decode %s, handoff %016x", job.spec.request_id,
                  attempt, prefill, decode, handoff_id)
-        call = PrefillCall(handoff_id=handoff_id, prompt_ids=job.prompt_ids,
-                           sampling=job.sampling, decode_address=decode,
-                           request_id=job.request_id, speculative=job.speculative)
+        call = PrefillCall(handoff_id=handoff_id, spec=job.spec, decode_address=decode)
         # NOTE: the stream is opened before the prefill starts, so the decode worker has a reader
         # for the request by the time the handoff lands.
         stream = self.clients.open_stream(decode, handoff_id, self._remaining(job))
@@ -246,7 +241,7 @@ class Dispatcher:
                 # Cancelled, failed or retried: free whatever either worker holds for it.
                 prefill_task.cancel()
                 stream.cancel()
-                self._abort_later(prefill, decode, handoff_id, job.request_id, then=unhold)
+                self._abort_later(prefill, decode, handoff_id, job.spec.request_id, then=unhold)
             else:
                 unhold()
 
@@ -325,7 +320,7 @@ class Dispatcher:
             return await asyncio.wait_for(asyncio.shield(task),
                                           self.config.prefill_result_grace_s)
         except (asyncio.TimeoutError, WorkerCallError) as exc:
-            log.warning("[%s] no prefill timings: %s", job.request_id, exc)
+            log.warning("[%s] no prefill timings: %s", job.spec.request_id, exc)
             return None
 
     def _deadline_or(self, job: Job, exc: BaseException,

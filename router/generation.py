@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from common.request_spec import RequestSpec
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from common.limits import check_request_id
@@ -53,8 +54,7 @@ class Generation:
                                        add_special_tokens=add_special_tokens)
 
     async def admit(self, prompt: str | Sequence[int], params: SamplingParams, *,
-                    request_id: str = "", speculative: bool | None = None,
-                    stop: Sequence[str] = (), arrival: float | None = None,
+                    request_id: str = "", stop: Sequence[str] = (), arrival: float | None = None,
                     timeout_s: float | None = None) -> tuple[Job, OutputTracker]:
         """Validate and tokenize one request; ValueError says what is wrong with it.
 
@@ -84,12 +84,11 @@ class Generation:
             log.info("[%s] rejected: %s", request_id, exc)
             self.metrics.rejected()
             raise
-        job = Job(request_id=request_id, prompt_ids=tuple(ids), sampling=params,
-                  speculative=speculative, arrival=arrival,
+        job = Job(RequestSpec(request_id, tuple(ids), params), arrival=arrival,
                   deadline=None if timeout_s is None else arrival + timeout_s)
         log.info("[%s] %d prompt tokens, max_new_tokens %d", request_id, len(ids),
                  params.max_new_tokens)
-        return job, OutputTracker(self.tokenizer, job.prompt_ids, arrival, stop=stop)
+        return job, OutputTracker(self.tokenizer, job.spec.prompt_ids, arrival, stop=stop)
 
     async def run(self, job: Job, tracker: OutputTracker) -> AsyncIterator[Delta]:
         """Yield the request's deltas; the last has finish_reason set.
@@ -99,7 +98,7 @@ class Generation:
         early, so that the attempt's cleanup aborts the request on both workers. Each request
         that runs is counted in ``metrics`` once it ends, however it ends.
         """
-        bind_request_id(job.request_id)
+        bind_request_id(job.spec.request_id)
         status, last = "CANCELLED", None  # what an early close (the client left) leaves
         self.metrics.running.inc()
         try:
@@ -119,7 +118,7 @@ class Generation:
             t = last.timings if last is not None else None
             self.metrics.ended(
                 status, last.finish_reason if last is not None else None,
-                prompt_tokens=len(job.prompt_ids), completion_tokens=len(tracker.token_ids),
+                prompt_tokens=len(job.spec.prompt_ids), completion_tokens=len(tracker.token_ids),
                 time_to_first_token_s=t.time_to_first_token_s if t else None,
                 inter_token_latencies_s=t.inter_token_latencies_s if t else (),
                 e2e_s=t.total_s if t else None)
@@ -129,7 +128,7 @@ class Generation:
         finish = None
         async with contextlib.aclosing(self.dispatcher.run(job)) as chunks:
             async for c in chunks:
-                if job.sampling.logprobs is not None and len(c.logprobs) != len(c.token_ids):
+                if job.spec.sampling.logprobs is not None and len(c.logprobs) != len(c.token_ids):
                     raise DispatchError(grpc.StatusCode.INTERNAL, f"the workers sent "
                                         f"{len(c.logprobs)} log-probabilities for "
                                         f"{len(c.token_ids)} tokens")
@@ -144,5 +143,5 @@ class Generation:
                     # on both workers.
                     finish = delta.finish_reason
                     break
-        log.info("[%s] done (%s): %d tokens in %.3f s", job.request_id, finish,
+        log.info("[%s] done (%s): %d tokens in %.3f s", job.spec.request_id, finish,
                  len(tracker.token_ids), self.dispatcher.clock() - job.arrival)

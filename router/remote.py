@@ -36,8 +36,7 @@ class Completion:
 
 
 def request_to_pb(*, text: str | None = None, token_ids: Sequence[int] | None = None,
-                  params: SamplingParams | None = None, speculative: bool | None = None,
-                  request_id: str = "",
+                  params: SamplingParams | None = None, request_id: str = "",
                   stop: Sequence[str] = ()) -> generation_pb2.GenerateRequest:
     """A GenerateRequest; ``stop`` strings end the completion before their first occurrence."""
     req = generation_pb2.GenerateRequest(request_id=request_id, stop=list(stop))
@@ -48,9 +47,7 @@ def request_to_pb(*, text: str | None = None, token_ids: Sequence[int] | None = 
     else:
         req.token_ids.ids.extend(token_ids)
     if params is not None:
-        req.sampling.CopyFrom(sampling_to_pb(params, speculative))
-    elif speculative is not None:
-        req.sampling.speculative = speculative
+        req.sampling.CopyFrom(sampling_to_pb(params))
     return req
 
 

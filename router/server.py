@@ -19,7 +19,7 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from common.convert import (finish_reason_to_pb, load_report_to_pb, logprobs_to_pb,
-                            sampling_from_pb, speculative_from_pb)
+                            sampling_from_pb)
 from common.channels import ChannelSecurity
 from common.grpc_util import bind, make_server, set_serving
 from common.metrics.server import MetricsServer
@@ -107,7 +107,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return await self.generation.admit(
                 request.text if which == "text" else list(request.token_ids.ids),
                 sampling_from_pb(request.sampling), request_id=request.request_id,
-                speculative=speculative_from_pb(request.sampling), stop=list(request.stop),
+                stop=list(request.stop),
                 arrival=arrival, timeout_s=context.time_remaining())
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -120,13 +120,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 async for delta in deltas:
                     yield delta
         except DispatchError as exc:
-            log.warning("[%s] failed after %d tokens: %s", job.request_id,
+            log.warning("[%s] failed after %d tokens: %s", job.spec.request_id,
                         len(tracker.token_ids), exc.message)
             await context.abort(exc.code, exc.message)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # a bug: the client gets INTERNAL, the log gets the trace
-            log.exception("[%s] internal error", job.request_id)
+            log.exception("[%s] internal error", job.spec.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"router error: {exc!r}")
 
     def _cut_short(self, tracker: OutputTracker) -> str:
@@ -138,14 +138,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             with self.shutdown.cancelled_at_expiry():
                 async for delta in self._deltas(job, tracker, context):
-                    yield delta_to_pb(job.request_id, delta)
+                    yield delta_to_pb(job.spec.request_id, delta)
         except asyncio.CancelledError:
             if not self.shutdown.expired.is_set():
                 raise
             # the shutdown grace is over (the workers were told to abort): a last message
             # with finish reason ABORT, then a status that says why
             end = tracker.add((), self.generation.dispatcher.clock(), (), "abort")
-            yield delta_to_pb(job.request_id, end)
+            yield delta_to_pb(job.spec.request_id, end)
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._cut_short(tracker))
 
     async def GenerateOnce(self, request, context):
@@ -164,7 +164,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                       finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
                       completion_tokens=last.completion_tokens, timings=last.timings,
                       logprobs=tuple(tracker.logprobs))
-        return delta_to_pb(job.request_id, whole)
+        return delta_to_pb(job.spec.request_id, whole)
 
     async def GetModelInfo(self, request, context):
         m = self.model

@@ -148,8 +148,8 @@ class LLMEngine:
         return self.speculator is not None and speculative is not False
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, *,
-                    speculative: bool | None = None) -> Request:
+                    request_id: str | None = None) -> Request:
+        """Queue a prompt; it speculates when ``wants_speculation(params.speculative)``."""
         if not prompt_ids:
             raise ValueError("prompt is empty")
         vocab = self.model.config.vocab_size
@@ -161,7 +161,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_ids), params,
                       generator=make_generator(params.seed, self.config.device),
-                      speculative=self.wants_speculation(speculative))
+                      speculative=self.wants_speculation(params.speculative))
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
@@ -172,7 +172,9 @@ class LLMEngine:
                         first_logprobs: TokenLogprobs | None = None) -> TokenEvent:
         """Continue a request whose prompt state is already in ``page_ids`` / ``slot`` (a
         handoff) and whose first token was sampled elsewhere. Returns that token's event.
-        ``speculative`` only when the draft context of the prompt is in the draft pool too;
+        ``speculative`` (decode it with the draft) is the caller's decision, not
+        ``params.speculative``: only the handoff says whether the prompt's draft context is in
+        the draft pool too;
         ``first_logprobs`` exactly when the request asks for log-probabilities."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -389,12 +391,10 @@ class LLMEngine:
         }
 
     def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | list[SamplingParams], *,
-                 speculative: bool | None = None) -> list[Request]:
+                 params: SamplingParams | list[SamplingParams]) -> list[Request]:
         """Run prompts to completion; returns the finished requests in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.add_request(p, sp, speculative=speculative)
-                for p, sp in zip(prompts, params_list)]
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         while self.scheduler.num_requests:
             if not self.has_work():
                 raise RuntimeError("requests are waiting for room that nothing will free")

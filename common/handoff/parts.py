@@ -12,28 +12,25 @@ from typing import Union
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.manifest import FieldSpec
 from common.logprobs import TokenLogprobs
-from common.sampling import SamplingParams
+from common.request_spec import RequestSpec
 
 
 @dataclass(frozen=True)
 class HeaderPart:
-    """Everything but the tensor bytes and the first token: who, what model and layout, what
-    fields follow."""
+    """Everything but the tensor bytes and the first token: which handoff of what request, what
+    model and layout, what fields follow."""
 
     handoff_id: int
     fingerprint: str
     layout: LayoutDescriptor
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
+    spec: RequestSpec
     manifest: dict[str, FieldSpec] = field(default_factory=dict)
-    speculative: bool | None = None
-    request_id: str = ""
     # the sender's pools as share handles (msgpack), offered for the device transport
     source_pools: bytes = b""
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt_ids)
+        return self.spec.prompt_len
 
     @property
     def payload_nbytes(self) -> int:

@@ -10,7 +10,7 @@ import torch
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.manifest import FieldSpec, validate_manifest
 from common.logprobs import TokenLogprobs
-from common.sampling import SamplingParams
+from common.request_spec import RequestSpec
 
 
 def new_handoff_id() -> int:
@@ -31,24 +31,20 @@ class HandoffPayload:
       conv_state  [num_gdn_layers, conv_dim, conv_window] model dtype
       ssm_state   [num_gdn_layers, HV, V, K] float32 (layout.state_layout)
       and, only when present, dflash_context, logprobs, top_k (shape declared by the tensor).
-    ``speculative`` is the request's choice of speculative decoding; None lets decode decide.
-    ``first_logprobs``: the first token's log-probabilities, when ``sampling.logprobs`` asks.
+    ``first_logprobs``: the first token's log-probabilities, when ``spec.sampling.logprobs`` asks.
     """
 
     handoff_id: int
     fingerprint: str
     layout: LayoutDescriptor
-    prompt_ids: tuple[int, ...]
+    spec: RequestSpec
     first_token: int
-    sampling: SamplingParams
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
-    speculative: bool | None = None
-    request_id: str = ""
     first_logprobs: TokenLogprobs | None = None
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt_ids)
+        return self.spec.prompt_len
 
     def manifest(self) -> dict[str, FieldSpec]:
         """dtype and shape of every field present."""

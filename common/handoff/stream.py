@@ -60,9 +60,7 @@ def split_payload(payload: HandoffPayload,
 def header_of(payload: HandoffPayload) -> HeaderPart:
     """The header that announces ``payload`` (everything but its bytes and first token)."""
     return HeaderPart(handoff_id=payload.handoff_id, fingerprint=payload.fingerprint,
-                      layout=payload.layout, prompt_ids=tuple(payload.prompt_ids),
-                      sampling=payload.sampling, manifest=payload.manifest(),
-                      speculative=payload.speculative, request_id=payload.request_id)
+                      layout=payload.layout, spec=payload.spec, manifest=payload.manifest())
 
 
 class HandoffAssembler:
@@ -230,7 +228,7 @@ class HandoffAssembler:
             if trailer.first_token is None:
                 raise HandoffError("INVALID_ARGUMENT", "trailer lacks the first token")
             try:
-                check_asked(trailer.first_logprobs, self._header.sampling.logprobs)
+                check_asked(trailer.first_logprobs, self._header.spec.sampling.logprobs)
             except ValueError as exc:
                 raise HandoffError("INVALID_ARGUMENT", f"trailer: {exc}") from None
             copied = self._copies.fields if self._copies is not None else set()
@@ -353,7 +351,6 @@ def assemble_payload(parts: Iterable[HandoffPart], *, max_bytes: int = 1 << 62,
     finally:
         assembler.abort()
     return HandoffPayload(handoff_id=first.handoff_id, fingerprint=first.fingerprint,
-                          layout=first.layout, prompt_ids=first.prompt_ids,
-                          first_token=assembler.first_token, sampling=first.sampling,
-                          fields=reservations[0].tensors, speculative=first.speculative,
-                          request_id=first.request_id, first_logprobs=assembler.first_logprobs)
+                          layout=first.layout, spec=first.spec,
+                          first_token=assembler.first_token, fields=reservations[0].tensors,
+                          first_logprobs=assembler.first_logprobs)

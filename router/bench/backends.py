@@ -81,10 +81,9 @@ class GrpcBackend:
         c = self.config
         params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                                 seed=req.seed, max_new_tokens=req.max_tokens,
-                                ignore_eos=c.ignore_eos)
-        pb = request_to_pb(text=req.prompt, params=params, speculative=c.speculative) \
-            if isinstance(req.prompt, str) else \
-            request_to_pb(token_ids=req.prompt, params=params, speculative=c.speculative)
+                                ignore_eos=c.ignore_eos, speculative=c.speculative)
+        pb = request_to_pb(text=req.prompt, params=params) if isinstance(req.prompt, str) \
+            else request_to_pb(token_ids=req.prompt, params=params)
         result = RequestResult()
         timer = _Timer(result)
         try:

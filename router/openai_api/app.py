@@ -201,8 +201,7 @@ class OpenAIApi:
             try:
                 job, tracker = await self.generation.admit(
                     ids, req.sampling(max_tokens, j), request_id=rid if single
-                    else f"{rid}-{index}", speculative=req.speculative,
-                    stop=req.stop_strings(), arrival=arrival)
+                    else f"{rid}-{index}", stop=req.stop_strings(), arrival=arrival)
             except ValueError as exc:
                 raise invalid(str(exc)) from None
             out.append(Choice(index, job, tracker))
@@ -212,7 +211,7 @@ class OpenAIApi:
                        choices: list[Choice]) -> Response:
         n = req.n
         # n choices of one prompt count its tokens once, as OpenAI does
-        prompt_tokens = sum(len(c.job.prompt_ids) for c in choices if c.index % n == 0)
+        prompt_tokens = sum(len(c.job.spec.prompt_ids) for c in choices if c.index % n == 0)
         stream = run_choices(self.generation, choices)
         # a formatter per choice (a streamed completion's text_offset runs across its chunks)
         formats = {c.index: ChoiceLogprobs(self.generation.tokenizer, head.chat)
@@ -247,7 +246,7 @@ class OpenAIApi:
         except DispatchError as exc:
             raise ApiError(exc.code, exc.message) from None
         done = [FinishedChoice(c.index, c.tracker.text, finish[c.index],
-                               tuple(c.tracker.token_ids), c.job.prompt_ids,
+                               tuple(c.tracker.token_ids), c.job.spec.prompt_ids,
                                formats[c.index].format(c.tracker.token_ids, c.tracker.logprobs)
                                if formats else None) for c in choices]
         return unary(head, done, prompt_tokens, token_ids)
@@ -257,7 +256,7 @@ class OpenAIApi:
                       formats: dict[int, ChoiceLogprobs]) -> AsyncIterator[str]:
         try:
             for c in choices:
-                if event := writer.start(c.index, c.job.prompt_ids):
+                if event := writer.start(c.index, c.job.spec.prompt_ids):
                     yield event
             item = first
             while item is not None:

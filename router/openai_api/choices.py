@@ -53,7 +53,7 @@ async def run_choices(generation: Generation,
             return
         queue.put_nowait(_Ended(choice.index))
 
-    tasks = [asyncio.create_task(pump(c), name=f"choice-{c.job.request_id}") for c in choices]
+    tasks = [asyncio.create_task(pump(c), name=f"choice-{c.job.spec.request_id}") for c in choices]
     try:
         running = len(tasks)
         while running:

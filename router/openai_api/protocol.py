@@ -97,7 +97,8 @@ class GenerationFields(BaseModel):
         With a seed, choice i samples with seed + i, so choice 0 is what n=1 gives.
         """
         values: dict[str, Any] = {"max_new_tokens": max_tokens, "ignore_eos": self.ignore_eos,
-                                  "logprobs": self.num_logprobs()}
+                                  "logprobs": self.num_logprobs(),
+                                  "speculative": self.speculative}
         for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)

@@ -24,6 +24,7 @@ from common.healthcheck import check
 from common.model.load import load_model
 from common.pb.flashsplit.v1 import (decode_pb2, decode_pb2_grpc, prefill_pb2,
                                      prefill_pb2_grpc, types_pb2)
+from common.request_spec import RequestSpec
 from common.sampling import SamplingParams
 from prefill_service.handoff_sender import send_handoff
 from router.cluster import Cluster, ClusterConfig
@@ -54,9 +55,9 @@ def forged_payload(fingerprint: str, prompt_len: int = 6) -> HandoffPayload:
               for name in ("kv", "conv_state", "ssm_state")}
     return HandoffPayload(
         handoff_id=new_handoff_id(), fingerprint=fingerprint, layout=layout,
-        prompt_ids=tuple(range(1, prompt_len + 1)), first_token=7,
-        sampling=SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True),
-        fields=fields)
+        spec=RequestSpec("", tuple(range(1, prompt_len + 1)),
+                         SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)),
+        first_token=7, fields=fields)
 
 
 async def code_of(awaitable) -> grpc.StatusCode:

@@ -16,7 +16,8 @@ from common.handoff.stream import assemble_payload, split_payload
 from common.load_report import LoadReport
 from common.logprobs import TokenLogprobs
 from common.model.family_registry import parse_model_config
-from common.pb.flashsplit.v1 import decode_pb2, types_pb2
+from common.pb.flashsplit.v1 import decode_pb2, prefill_pb2, types_pb2
+from common.request_spec import RequestSpec
 from common.sampling import SamplingParams
 
 TINY = {
@@ -34,8 +35,8 @@ def _wire(msg):
 
 
 def test_unset_sampling_takes_defaults():
-    assert convert.sampling_from_pb(_wire(types_pb2.SamplingParams())) == SamplingParams()
-    assert convert.speculative_from_pb(types_pb2.SamplingParams()) is None
+    params = convert.sampling_from_pb(_wire(types_pb2.SamplingParams()))
+    assert params == SamplingParams() and params.speculative is None
 
 
 def test_explicit_zero_temperature_stays_greedy():
@@ -46,12 +47,16 @@ def test_explicit_zero_temperature_stays_greedy():
 
 def test_sampling_round_trip():
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, seed=2**63 + 5,
-                            max_new_tokens=128, stop_token_ids=(3, 9), ignore_eos=True)
-    msg = _wire(convert.sampling_to_pb(params, speculative=True))
+                            max_new_tokens=128, stop_token_ids=(3, 9), ignore_eos=True,
+                            logprobs=3, speculative=True)
+    msg = _wire(convert.sampling_to_pb(params))
     assert all(msg.HasField(f) for f in ("temperature", "top_p", "top_k", "min_p", "seed",
-                                          "max_new_tokens", "ignore_eos", "speculative"))
+                                          "max_new_tokens", "ignore_eos", "speculative",
+                                          "logprobs"))
     assert convert.sampling_from_pb(msg) == params
-    assert convert.speculative_from_pb(msg) is True
+    refused = _wire(convert.sampling_to_pb(SamplingParams(speculative=False)))
+    assert refused.HasField("speculative") and refused.speculative is False
+    assert convert.sampling_from_pb(refused).speculative is False
     unseeded = _wire(convert.sampling_to_pb(SamplingParams()))
     assert not unseeded.HasField("seed") and not unseeded.HasField("speculative")
     assert convert.sampling_from_pb(unseeded) == SamplingParams()
@@ -87,24 +92,24 @@ def test_handoff_round_trip_through_protobuf():
     fields = {name: torch.randn(LAYOUT.field_shape(name, 21)).to(
         getattr(torch, LAYOUT.field_dtype(name))) for name in ("kv", "conv_state", "ssm_state")}
     fields["top_k"] = torch.arange(12, dtype=torch.int32).reshape(2, 6)
+    spec = RequestSpec("r", tuple(range(21)),
+                       SamplingParams(temperature=0.0, seed=1, speculative=False))
     payload = HandoffPayload(handoff_id=2**64 - 1, fingerprint="f" * 64, layout=LAYOUT,
-                             prompt_ids=tuple(range(21)), first_token=7,
-                             sampling=SamplingParams(temperature=0.0, seed=1), fields=fields,
-                             speculative=False, request_id="r")
+                             spec=spec, first_token=7, fields=fields)
     wire = [_wire(convert.handoff_part_to_pb(p)) for p in split_payload(payload, 300)]
     assert [m.WhichOneof("part") for m in (wire[0], wire[1], wire[-1])] == \
         ["header", "chunk", "trailer"]
     got = assemble_payload(convert.handoff_part_from_pb(m) for m in wire)
-    assert got.sampling == payload.sampling and got.speculative is False
-    assert got.prompt_ids == payload.prompt_ids and got.layout == LAYOUT
+    assert got.spec == spec and got.spec.sampling.speculative is False
+    assert got.layout == LAYOUT
     assert got.first_token == 7 and wire[-1].trailer.first_token == 7
     for name, tensor in fields.items():
         assert torch.equal(got.fields[name].view(torch.uint8), tensor.view(torch.uint8)), name
 
 
 def _header_msg(**changes):
-    part = HeaderPart(handoff_id=1, fingerprint="x", layout=LAYOUT, prompt_ids=(1, 2),
-                      sampling=SamplingParams(),
+    part = HeaderPart(handoff_id=1, fingerprint="x", layout=LAYOUT,
+                      spec=RequestSpec("", (1, 2), SamplingParams()),
                       manifest={"kv": FieldSpec("bfloat16", (2, 2, 1, 16, 2, 16))})
     msg = convert.handoff_part_to_pb(part)
     for key, value in changes.items():
@@ -154,3 +159,37 @@ def test_logprobs_round_trip_in_sampling_and_trailer():
     broken.trailer.first_token_logprobs.top_logprobs.append(-9.0)  # 2 ids, 3 values
     with pytest.raises(HandoffError, match="top token ids"):
         convert.handoff_part_from_pb(_wire(broken))
+
+
+def test_sampling_bytes_match_the_fields_set_one_by_one():
+    # the table writes exactly what a field-by-field message holds: the wire is unchanged
+    params = SamplingParams(temperature=0.0, top_k=5, seed=9, max_new_tokens=3,
+                            stop_token_ids=(4,), speculative=False)
+    by_hand = types_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=5, min_p=0.0, seed=9,
+                                       max_new_tokens=3, stop_token_ids=[4], ignore_eos=False,
+                                       speculative=False)
+    assert convert.sampling_to_pb(params).SerializeToString(deterministic=True) == \
+        by_hand.SerializeToString(deterministic=True)
+
+
+def test_request_spec_round_trip_through_prefill_request_and_header():
+    spec = RequestSpec("r-1", (5, 6, 7), SamplingParams(seed=3, speculative=True))
+    request = _wire(prefill_pb2.PrefillRequest(handoff_id=4, decode_address="d:1",
+                                               **convert.request_spec_to_pb(spec)))
+    assert convert.request_spec_from_pb(request) == spec
+    header = HeaderPart(handoff_id=4, fingerprint="x", layout=LAYOUT, spec=spec)
+    got = convert.handoff_part_from_pb(_wire(convert.handoff_part_to_pb(header)))
+    assert got.spec == spec and got.prompt_len == 3
+
+
+def test_request_spec_from_pb_refuses_a_long_id_and_bad_sampling():
+    with pytest.raises(ValueError, match="request_id"):
+        convert.request_spec_from_pb(prefill_pb2.PrefillRequest(request_id="x" * 300))
+    with pytest.raises(ValueError, match="top_p"):
+        convert.request_spec_from_pb(prefill_pb2.PrefillRequest(
+            sampling=types_pb2.SamplingParams(top_p=2.0)))
+    msg = _header_msg()
+    msg.header.sampling.top_p = 2.0
+    with pytest.raises(HandoffError, match="top_p") as info:
+        convert.handoff_part_from_pb(msg)
+    assert info.value.code == "INVALID_ARGUMENT"

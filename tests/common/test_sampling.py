@@ -146,6 +146,8 @@ def test_sampler_works_on_bf16_logits():
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"seed": 1.5}, "seed"),
         ({"stop_token_ids": (1, -3)}, "stop_token_ids"),
+        ({"speculative": 1}, "speculative"),
+        ({"speculative": "on"}, "speculative"),
     ],
 )
 def test_validation_errors(kwargs, field):
@@ -159,6 +161,7 @@ def test_params_defaults_and_coercion():
     assert not p.is_greedy and SamplingParams(temperature=0).is_greedy
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
     assert SamplingParams(top_k=-1).top_k == -1
+    assert p.speculative is None and SamplingParams(speculative=False).speculative is False
     hash(SamplingParams(stop_token_ids=[1]))
 
 

@@ -17,6 +17,7 @@ from common.handoff.payload import HandoffPayload
 from common.handoff.stream import split_payload
 from common.model.load import load_model, weights_identity
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
+from common.request_spec import RequestSpec
 from common.sampling import SamplingParams
 from prefill_service.handoff_sender import send_handoff
 from decode_service.server import build_decode_service
@@ -55,7 +56,8 @@ class DecodeHarness:
         load = await self.stub.GetLoad(types_pb2.LoadRequest(), timeout=5)
         return load.free_pages, load.free_slots
 
-    def payload(self, prompt_len=9, max_new_tokens=4, handoff_id=77) -> HandoffPayload:
+    def payload(self, prompt_len=9, max_new_tokens=4, handoff_id=77,
+                speculative=None) -> HandoffPayload:
         gen = torch.Generator().manual_seed(prompt_len)
         fields = {}
         for name in ("kv", "conv_state", "ssm_state"):
@@ -64,9 +66,9 @@ class DecodeHarness:
             fields[name] = torch.randn(shape, generator=gen).to(dtype)
         return HandoffPayload(
             handoff_id=handoff_id, fingerprint=self.fingerprint, layout=self.layout,
-            prompt_ids=tuple(range(1, prompt_len + 1)), first_token=5,
-            sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
-            fields=fields)
+            spec=RequestSpec("", tuple(range(1, prompt_len + 1)), SamplingParams(
+                temperature=0.0, max_new_tokens=max_new_tokens, speculative=speculative)),
+            first_token=5, fields=fields)
 
     async def send(self, parts) -> None:
         await send_handoff(self.stub, [convert.handoff_part_to_pb(p) for p in parts],
@@ -217,7 +219,7 @@ def test_speculative_decoding_asked_of_a_worker_without_a_draft_is_refused(tiny)
     async def scenario():
         async with DecodeHarness(tiny) as h:
             before = await h.free()
-            payload = dataclasses.replace(h.payload(), speculative=True)
+            payload = h.payload(speculative=True)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await h.send(split_payload(payload))
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -225,6 +227,6 @@ def test_speculative_decoding_asked_of_a_worker_without_a_draft_is_refused(tiny)
             assert await h.free() == before
             # left to the worker (unset), or declined, it decodes without speculation
             for handoff_id, speculative in ((78, None), (79, False)):
-                await h.send(split_payload(dataclasses.replace(
-                    h.payload(handoff_id=handoff_id), speculative=speculative)))
+                await h.send(split_payload(h.payload(handoff_id=handoff_id,
+                                                     speculative=speculative)))
     run(scenario())

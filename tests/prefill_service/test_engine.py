@@ -10,6 +10,7 @@ from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
 from common.handoff.layout import LayoutDescriptor
 from common.model.load import load_model
+from common.request_spec import RequestSpec
 from common.sampling import SamplingParams
 from prefill_service.engine import PrefillEngine, PrefillJob
 
@@ -38,7 +39,7 @@ def full(engine: PrefillEngine) -> bool:
 
 
 def job(handoff_id: int, n: int = 9) -> PrefillJob:
-    return PrefillJob(handoff_id=handoff_id, prompt_ids=tuple(range(1, n + 1)), params=GREEDY)
+    return PrefillJob(handoff_id, RequestSpec("", tuple(range(1, n + 1)), GREEDY))
 
 
 def test_cancelled_waiters_leave_the_engine_serving(engine):

@@ -39,9 +39,9 @@ def model():
     return load_model("tiny")
 
 
-def run_grpc(cluster, prompt, params, speculative=None):
+def run_grpc(cluster, prompt, params):
     return asyncio.run(generate(cluster.router_address, request_to_pb(
-        token_ids=prompt, params=params, speculative=speculative), timeout_s=120))
+        token_ids=prompt, params=params), timeout_s=120))
 
 
 def check(model, prompt, out, num_top, atol=1e-4):
@@ -61,9 +61,10 @@ def check(model, prompt, out, num_top, atol=1e-4):
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
 def test_greedy_logprobs_across_the_split(cluster, model, speculative):
-    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logprobs=3,
+                            speculative=speculative)
     for prompt in PROMPTS:
-        out = run_grpc(cluster, prompt, params, speculative)
+        out = run_grpc(cluster, prompt, params)
         assert len(out.token_ids) == 12
         check(model, prompt, out, 3)
         if speculative:  # every token after the first came from a DFLASH step
@@ -72,8 +73,8 @@ def test_greedy_logprobs_across_the_split(cluster, model, speculative):
 
 def test_sampled_and_first_token_only_requests(cluster, model):
     sampled = SamplingParams(temperature=1.3, top_p=0.9, seed=7, max_new_tokens=8,
-                             ignore_eos=True, logprobs=2)
-    out = run_grpc(cluster, PROMPTS[1], sampled, speculative=False)
+                             ignore_eos=True, logprobs=2, speculative=False)
+    out = run_grpc(cluster, PROMPTS[1], sampled)
     check(model, PROMPTS[1], out, 2)  # the raw distribution, whatever the temperature
     # one token: the request ends on prefill, its log-probabilities come from there
     first = run_grpc(cluster, PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=1,

@@ -4,6 +4,7 @@ distribution (lossless rejection sampling), on CPU."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 
 import pytest
@@ -55,7 +56,7 @@ def test_mixed_batch_and_stops_inside_accepted_blocks(tiny):
     cut = expected[tuple(prompts[2])].index(stop_token)
     reqs = [
         engine.add_request(prompts[0], greedy),
-        engine.add_request(prompts[1], greedy, speculative=False),
+        engine.add_request(prompts[1], dataclasses.replace(greedy, speculative=False)),
         engine.add_request(prompts[2], SamplingParams(temperature=0.0, max_new_tokens=30,
                                                       ignore_eos=True,
                                                       stop_token_ids=(stop_token,))),

@@ -10,6 +10,7 @@ CUDA machine.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -73,6 +74,7 @@ def test_dflash_on_triton_kernels_is_lossless():
     want = [r.output_ids for r in engine({}, draft=False, graphs=False).generate(few, params)]
     spec = engine(OURS, draft=True, graphs=True)
     free = (spec.kv_pool.allocator.num_free, spec.state_pool.allocator.num_free)
-    assert [r.output_ids for r in spec.generate(few, params, speculative=True)] == want
+    asked = [dataclasses.replace(p, speculative=True) for p in params]
+    assert [r.output_ids for r in spec.generate(few, asked)] == want
     assert spec.speculator.stats["spec_steps"] > 0
     assert (spec.kv_pool.allocator.num_free, spec.state_pool.allocator.num_free) == free

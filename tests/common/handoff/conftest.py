@@ -9,6 +9,7 @@ from common.config import ModelConfig
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
 from common.handoff.payload import HandoffPayload, new_handoff_id
 from common.model.family_registry import parse_model_config
+from common.request_spec import RequestSpec
 from common.sampling import SamplingParams
 
 TINY = {
@@ -54,8 +55,8 @@ def make_payload(layout, fingerprint):
         fields.update(extra)
         prompt = tuple(torch.randint(0, 64, (prompt_len,), generator=gen).tolist())
         return HandoffPayload(handoff_id=new_handoff_id(), fingerprint=fingerprint, layout=layout,
-                              prompt_ids=prompt, first_token=5,
-                              sampling=SamplingParams(temperature=0.0, max_new_tokens=9),
-                              fields=fields, request_id="req-1")
+                              spec=RequestSpec("req-1", prompt, SamplingParams(
+                                  temperature=0.0, max_new_tokens=9)),
+                              first_token=5, fields=fields)
 
     return make

@@ -23,9 +23,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def assert_bitwise_equal(a, b):
     assert a.handoff_id == b.handoff_id and a.fingerprint == b.fingerprint
-    assert a.layout == b.layout and a.prompt_ids == b.prompt_ids
-    assert a.first_token == b.first_token and a.sampling == b.sampling
-    assert a.request_id == b.request_id and a.speculative == b.speculative
+    assert a.layout == b.layout and a.spec == b.spec and a.first_token == b.first_token
     assert set(a.fields) == set(b.fields)
     for name in a.fields:
         assert a.fields[name].dtype == b.fields[name].dtype, name
@@ -317,15 +315,16 @@ def test_trailer_without_first_token_is_invalid(layout, fingerprint, make_payloa
 
 # the first token's log-probabilities, in the trailer
 def _asking(payload, num_top, logprobs):
-    return dataclasses.replace(payload, first_logprobs=logprobs, sampling=dataclasses.replace(
-        payload.sampling, logprobs=num_top))
+    spec = dataclasses.replace(payload.spec, sampling=dataclasses.replace(
+        payload.spec.sampling, logprobs=num_top))
+    return dataclasses.replace(payload, first_logprobs=logprobs, spec=spec)
 
 
 def test_first_token_logprobs_travel_in_the_trailer(make_payload):
     logprobs = TokenLogprobs(-0.5, ((5, -0.5), (9, -1.25)))
     payload = _asking(make_payload(), 2, logprobs)
     got = assemble_payload(split_payload(payload))
-    assert got.first_logprobs == logprobs and got.sampling.logprobs == 2
+    assert got.first_logprobs == logprobs and got.spec.sampling.logprobs == 2
 
 
 @pytest.mark.parametrize("num_top,logprobs", [
