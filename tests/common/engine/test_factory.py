@@ -5,6 +5,7 @@ paths through it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -28,7 +29,8 @@ def by_hand(config: EngineConfig = EngineConfig(), draft: str | None = None) -> 
 
 
 def outputs(engine: LLMEngine, speculative: bool | None = None) -> list[list[int]]:
-    return [r.output_ids for r in engine.generate(PROMPTS, GREEDY, speculative=speculative)]
+    params = dataclasses.replace(GREEDY, speculative=speculative)
+    return [r.output_ids for r in engine.generate(PROMPTS, params)]
 
 
 def worker_args(*argv: str) -> argparse.Namespace:
@@ -101,7 +103,8 @@ def test_generate_in_process_speculates_through_the_factory(capsys):
                  "--temperature", "0", "--ignore-eos", "--draft", "tiny",
                  "--speculative", "on"]) == 0
     out = json.loads(capsys.readouterr().out)
-    (req,) = by_hand(draft="tiny").generate([PROMPTS[0]], GREEDY, speculative=True)
+    (req,) = by_hand(draft="tiny").generate([PROMPTS[0]],
+                                            dataclasses.replace(GREEDY, speculative=True))
     assert out["token_ids"] == req.output_ids and out["accept_lengths"] == req.accept_lengths
 
 
