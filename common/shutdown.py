@@ -49,7 +49,10 @@ class GracefulShutdown:
         self.final_s = final_s
         self.expired = asyncio.Event()
         self._cut = False
-        self._calls: set[asyncio.Task] = set()
+        self._cut_event = asyncio.Event()
+        # running calls, each with whether it may be cancelled now: a streaming call is not
+        # while gRPC writes its message (a cancellation there ends it CANCELLED, bypassing us)
+        self._calls: dict[asyncio.Task, bool] = {}
         self._graceful: set[asyncio.Task] = set()
 
     @property
@@ -78,9 +81,13 @@ class GracefulShutdown:
             task.cancel()
 
     def _cancel_calls(self) -> int:
+        """Cancel every running call that is inside its behaviour; a streaming call now writing
+        a message ends with the same status as soon as the write returns."""
         self._cut = True
-        for task in self._calls:
-            task.cancel()
+        self._cut_event.set()
+        for task, cancellable in self._calls.items():
+            if cancellable:
+                task.cancel()
         return len(self._calls)
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:
@@ -98,27 +105,46 @@ class GracefulShutdown:
         if response_streaming and not inspect.iscoroutinefunction(behavior):
             async def streaming(request, context):
                 task = asyncio.current_task()
-                calls.add(task)
+                items = behavior(request, context).__aiter__()
                 try:
-                    async for item in behavior(request, context):
+                    while True:
+                        await abort_if_cut(context)  # cut while the last message was written
+                        calls[task] = True
+                        try:
+                            item = await items.__anext__()
+                        except StopAsyncIteration:
+                            return
+                        except asyncio.CancelledError:
+                            await abort_if_cut(context)
+                            raise
+                        calls[task] = False  # gRPC writes it now: not to be cancelled there
                         yield item
-                except asyncio.CancelledError:
-                    await abort_if_cut(context)
-                    raise
                 finally:
-                    calls.discard(task)
+                    calls.pop(task, None)
+                    await items.aclose()
             return streaming
 
         async def unary(request, context):
-            task = asyncio.current_task()
-            calls.add(task)
+            # the behaviour runs as a task of its own, so that a cut cancels it and not the
+            # call's task: that one then sends our status with no cancellation pending on it
+            # (a cancelled call task's status can be lost to gRPC's CANCELLED)
+            inner = asyncio.ensure_future(behavior(request, context))
+            cut = asyncio.ensure_future(self._cut_event.wait())
+            calls[inner] = True
             try:
-                return await behavior(request, context)
-            except asyncio.CancelledError:
-                await abort_if_cut(context)
+                await asyncio.wait({inner, cut}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the client went away, or gRPC's hard stop
+                inner.cancel()
                 raise
             finally:
-                calls.discard(task)
+                cut.cancel()
+                calls.pop(inner, None)
+            if not inner.done():
+                inner.cancel()
+                await asyncio.gather(inner, return_exceptions=True)
+            if inner.cancelled():
+                await abort_if_cut(context)
+            return inner.result()
         return unary
 
 

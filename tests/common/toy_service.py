@@ -40,17 +40,20 @@ class Toy:
 
     async def ticks(self, request, context):
         """Server stream: one message every 20 ms, ``handoff_id`` of them; when the grace
-        expires it ends with a last message found=False (a proper end, as Decode.Stream's)."""
+        expires it ends with a last message found=False (a proper end, as Decode.Stream's).
+        Only the wait is inside ``cancelled_at_expiry``, as in Decode.Stream: a cancellation
+        that landed while gRPC writes a message would end the call before that last message."""
         try:
-            with self.shutdown.cancelled_at_expiry():
-                for _ in range(request.handoff_id):
-                    await asyncio.sleep(0.02)
-                    yield types_pb2.AbortResponse(found=True)
-        except asyncio.CancelledError:
-            if not self.shutdown.expired.is_set():
-                raise
-            yield types_pb2.AbortResponse(found=False)
-            return
+            for _ in range(request.handoff_id):
+                try:
+                    with self.shutdown.cancelled_at_expiry():
+                        await asyncio.sleep(0.02)
+                except asyncio.CancelledError:
+                    if not self.shutdown.expired.is_set():
+                        raise
+                    yield types_pb2.AbortResponse(found=False)
+                    return
+                yield types_pb2.AbortResponse(found=True)
         finally:
             self.cleaned_up.append("ticks")
         self.finished.append("ticks")
