@@ -154,19 +154,24 @@ class PrefillEngine(EngineLoop):
         # held (prefilled) requests are out of the batch; they only wait for release()
         return self.engine.has_work()
 
+    def _final_pages(self, req, done: bool) -> int:
+        """Pages of ``req`` whose KV is final: all of the prompt's once it is ``done``, else
+        the full pages so far (the last one fills on in the next chunk)."""
+        page_size = self.engine.kv_pool.page_size
+        return -(-len(req.prompt_ids) // page_size) if done else req.num_cached // page_size
+
     def _extend_queued(self, reqs, layers) -> None:
         """An EXTEND forward is queued on the GPU: report what it makes final (KV pages, and
         on a prompt's last chunk its GDN state) with one event per layer, so the handoff reads
         each layer as it ends instead of after the step. The draft context and the first token
         follow from ``step``."""
-        page_size = self.engine.kv_pool.page_size
         for req in reqs:
             key = req.request_id
             entry = self._jobs.get(key)
             if entry is None or key in self._broken:
                 continue
             done = req.num_cached >= len(req.prompt_ids)
-            pages = -(-len(req.prompt_ids) // page_size) if done else req.num_cached // page_size
+            pages = self._final_pages(req, done)
             if not done and pages == self._reported[key]:
                 continue
             self._reported[key] = pages
@@ -184,7 +189,6 @@ class PrefillEngine(EngineLoop):
         if self.engine.kv_pool.kv.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        page_size = self.engine.kv_pool.page_size
         for req in self.engine.last_step_requests:
             key = req.request_id
             entry = self._jobs.get(key)
@@ -197,8 +201,7 @@ class PrefillEngine(EngineLoop):
                 self.metrics.prompt_started(began - self._submitted[key])
             event = events.get(key)
             first = None if event is None else FirstToken(event.token_id, event.logprobs)
-            pages = (-(-len(req.prompt_ids) // page_size) if first is not None
-                     else req.num_cached // page_size)
+            pages = self._final_pages(req, first is not None)
             if first is None and pages == self._reported[key] and key not in self._broken:
                 continue  # this chunk completed no page (or its forward reported them)
             self._reported[key] = pages

@@ -69,10 +69,6 @@ class StateReader:
             host_buffers = HostBufferPool(HostBufferPoolConfig(4 * piece_bytes, pin_memory=True))
         self.host_buffers = host_buffers if on_gpu else None
 
-    @property
-    def has_draft_context(self) -> bool:
-        return self._draft_kv is not None
-
     def pages(self, ready: StateReady, name: str, start: int, end: int, prompt: PromptShape,
               ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
         """Chunks of pages ``[start, end)`` of ``name`` (``kv`` or ``dflash_context``)."""

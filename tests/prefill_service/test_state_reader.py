@@ -74,7 +74,6 @@ def test_reading_nothing_new_yields_nothing():
     reader = StateReader(kv, conv, ssm, None, 64)
     ready = StateReady((1, 2), 0, 2, False)
     assert list(reader.pages(ready, "kv", 2, 2, PromptShape(8, PAGE), {})) == []
-    assert not reader.has_draft_context
 
 
 def test_model_layers_map_fields_to_the_layers_that_write_them():
