@@ -54,6 +54,9 @@ class GracefulShutdown:
         # while gRPC writes its message (a cancellation there ends it CANCELLED, bypassing us)
         self._calls: dict[asyncio.Task, bool] = {}
         self._graceful: set[asyncio.Task] = set()
+        # graceful streaming calls the expiry found writing a message: cancelled inside their
+        # behaviour as soon as the write returns
+        self._expire_on_resume: set[asyncio.Task] = set()
 
     @property
     def message(self) -> str:
@@ -78,7 +81,10 @@ class GracefulShutdown:
     def _expire(self) -> None:
         self.expired.set()
         for task in list(self._graceful):
-            task.cancel()
+            if self._calls.get(task, True):
+                task.cancel()
+            else:  # cancelling it inside gRPC's write would end it CANCELLED, not gracefully
+                self._expire_on_resume.add(task)
 
     def _cancel_calls(self) -> int:
         """Cancel every running call that is inside its behaviour; a streaming call now writing
@@ -111,7 +117,13 @@ class GracefulShutdown:
                         await abort_if_cut(context)  # cut while the last message was written
                         calls[task] = True
                         try:
-                            item = await items.__anext__()
+                            if task in self._expire_on_resume:
+                                # the grace ended while the last message was written: the
+                                # cancellation lands where the behaviour waits for it
+                                self._expire_on_resume.discard(task)
+                                item = await items.athrow(asyncio.CancelledError())
+                            else:
+                                item = await items.__anext__()
                         except StopAsyncIteration:
                             return
                         except asyncio.CancelledError:
@@ -121,6 +133,7 @@ class GracefulShutdown:
                         yield item
                 finally:
                     calls.pop(task, None)
+                    self._expire_on_resume.discard(task)
                     await items.aclose()
             return streaming
 
