@@ -68,7 +68,7 @@ stage_draft() {
         --device "$DEVICE"
     rm -rf "$OUT/pycoder-dflash"
     "$PY" -m router.cli train-draft --target "$OUT/pycoder" --data "$OUT/regen.jsonl" \
-        --out "$OUT/pycoder-dflash" --block-size 16 --layers 2 --target-layer-ids 1,3,5,7 \
+        --out "$OUT/pycoder-dflash" --block-size 16 --layers 2 --target-layer-ids 1,3,5 \
         --seconds "$DRAFT_SECONDS" --batch-size "$DRAFT_BATCH" --seq-len "$SEQ" --anchors 32 \
         --lr 1e-3 --checkpoint-every 500 --device "$DEVICE"
     rm -rf "$OUT/ship"

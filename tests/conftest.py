@@ -14,6 +14,8 @@ import random
 import pytest
 import torch
 
+from common.training.transformers_import import import_modeling_without_fla
+
 
 def _cuda_available() -> bool:
     try:
@@ -24,6 +26,10 @@ def _cuda_available() -> bool:
 
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# transformers is the oracle and runs on CPU tensors: its GDN layers must take the plain-torch
+# path even where fla is installed, while fla stays importable for our own GPU kernels
+import_modeling_without_fla()
 
 
 def pytest_collection_modifyitems(config, items):

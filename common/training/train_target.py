@@ -34,21 +34,22 @@ from common.training.curves import plot_curves, smooth
 from common.training.provenance import PROVENANCE_FILE, environment, write_json
 from common.training.schedule import BudgetBar, Budget, Clock, CosineSchedule
 from common.training.token_data import WindowSampler, read_documents, spaced_windows, token_stream
+from common.training.transformers_import import import_modeling_without_fla
 
-# 8 layers (6 GDN + 2 gated attention, Qwen3.5's 3:1 pattern), hidden 384, 128-dim heads as in
-# the released models (the GPU kernels' fast paths): about 19M parameters with an 8192-token
-# vocabulary, 38 MB in bf16.
+# 6 layers (4 GDN + 2 gated attention), hidden 256, 128-dim heads as in the released models (the
+# GPU kernels' fast paths): about 7M parameters with an 8192-token vocabulary, 14 MB in bf16,
+# small enough to ship in the repository beside its draft and to answer at once on a CPU.
 PYCODER_ARCH = {
-    "hidden_size": 384,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 8,
-    "layer_types": ["linear_attention"] * 3 + ["full_attention"]
-                   + ["linear_attention"] * 3 + ["full_attention"],
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 6,
+    "layer_types": ["linear_attention"] * 2 + ["full_attention"]
+                   + ["linear_attention"] * 2 + ["full_attention"],
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
     "head_dim": 128,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 2,
     "linear_key_head_dim": 128,
     "linear_value_head_dim": 128,
     "linear_conv_kernel_dim": 4,
@@ -111,9 +112,9 @@ def import_transformers(device: str):
     """transformers' Qwen3.5 classes. fla is kept unimportable first off CUDA (transformers
     would route the GDN layers to its Triton kernels, which need a GPU) and where its backward
     is refused (``fla_backward_usable``): transformers then trains the GDN layers with its
-    plain-torch chunked recurrence."""
+    plain-torch chunked recurrence. fla stays importable for the rest of the process."""
     if not str(device).startswith("cuda") or not fla_backward_usable():
-        sys.modules.setdefault("fla", None)
+        import_modeling_without_fla()
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     return Qwen3_5TextConfig, Qwen3_5ForCausalLM

@@ -13,14 +13,12 @@ transformers 5.24 writes the Hub layout: per-expert MoE tensors
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-# transformers routes the GDN layers to fla's Triton kernels whenever fla imports, and those crash
-# on CPU; keep it unimportable (a None entry makes `import fla` raise ImportError).
-sys.modules.setdefault("fla", None)
+import torch
 
-import torch  # noqa: E402
+# transformers routes the GDN layers to fla's Triton kernels whenever fla imports, and those crash
+# on CPU: tests/conftest.py imports its modeling modules with fla hidden, before any test does
 
 KINDS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_5")
 

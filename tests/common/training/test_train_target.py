@@ -48,10 +48,19 @@ def test_pycoder_architecture_is_a_servable_config():
 
     config = parse_model_config({"model_type": "qwen3_5_text", "vocab_size": 8192,
                                 **PYCODER_ARCH})
-    assert config.full_attention_layers == (3, 7) and config.rotary_dim == 32
+    assert config.full_attention_layers == (2, 5) and config.rotary_dim == 32
     assert config.linear_key_head_dim == config.head_dim == 128  # the GPU kernels' fast path
 
 
 def test_cli_needs_a_budget(tmp_path):
     with pytest.raises(SystemExit):
         main(["--corpus", str(tmp_path), "--tokenizer", str(tmp_path), "--out", str(tmp_path)])
+
+
+def test_hiding_fla_from_transformers_leaves_it_importable_afterwards():
+    import sys
+
+    import_transformers("cpu")
+    # a None entry would make every later `import fla...` in this process fail, the serving
+    # kernels' included
+    assert sys.modules.get("fla", "absent") is not None
