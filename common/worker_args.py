@@ -15,6 +15,7 @@ from common.lifecycle import die_with_parent_if_asked
 from common.progress import NO_PROGRESS_ENV
 from common.logging_setup import add_log_format_arg, configure_logging
 from common.metrics.server import add_metrics_port_arg, check_metrics_port
+from common.model.registry import DEFAULT_MODEL
 from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig
 
@@ -25,7 +26,9 @@ HANDOFF_TRANSPORTS = ("auto", "stream", "device")
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (it is printed)")
-    p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (built in)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="checkpoint directory, or a built-in name: 'pycoder' (trained, ships in "
+                        "the tree) or 'tiny' (random, for tests)")
     p.add_argument("--handoff-transport", choices=HANDOFF_TRANSPORTS, default="auto",
                    help="how prompt state moves from prefill to decode: 'stream' (gRPC bytes, "
                         "works anywhere), 'device' (same host: the decode worker copies out of "

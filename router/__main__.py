@@ -20,6 +20,7 @@ from common.cli_help import HelpFormatter, description
 from common.lifecycle import die_with_parent_if_asked
 from common.logging_setup import add_log_format_arg, configure_logging
 from common.metrics.server import add_metrics_port_arg, check_metrics_port
+from common.model.registry import DEFAULT_MODEL
 from common.security import (add_api_key_args, add_security_args, api_key_from,
                              security_from_args)
 from router.client import ClientConfig
@@ -36,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="0 = any free port")
-    p.add_argument("--model", default="tiny",
-                   help="checkpoint directory or 'tiny'; the router needs its tokenizer and config")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="checkpoint directory or a built-in name ('pycoder', 'tiny'); the router "
+                        "needs its tokenizer and config, and its workers must serve the same one")
     p.add_argument("--prefill", action="append", default=[], metavar="ADDR",
                    help="host:port of a prefill worker, or dns:///NAME:PORT for every address "
                         "NAME resolves to, resolved again every --discovery-interval "

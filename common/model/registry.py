@@ -40,19 +40,21 @@ class BuiltinCheckpoint:
 PYCODER = BuiltinCheckpoint(
     name="pycoder",
     description="a small Qwen3.5-architecture model trained on the Python standard library",
+    # prompts that end inside a line: the tokenizer merges a newline with the indentation after
+    # it, so a prompt ending in a bare newline starts the model off a token it rarely saw
     demo_prompts=(
-        "def fibonacci(n):\n",
-        "import os\n\n\ndef list_files(path):\n",
-        "class Stack:\n    def __init__(self):\n",
-        "    def __repr__(self):\n",
+        "def read_lines(path):\n    with open(path",
+        'import os\n\n\ndef list_files(path):\n    """',
+        "class Stack:\n    def __init__(self):\n        self.",
+        "def fibonacci(n):",
     ),
 )
 
 BUILTIN_CHECKPOINTS: dict[str, BuiltinCheckpoint] = {c.name: c for c in (PYCODER,)}
 
 # The model `flashsplit demo` / `generate` / `up` use when --model is not given (and so
-# `make demo`). Set to PYCODER.name once its weights are in WEIGHTS_DIR.
-DEFAULT_MODEL = TINY
+# `make demo`); the tests name `tiny` (random, built in code) where they need a model.
+DEFAULT_MODEL = PYCODER.name
 
 
 def resolve_model(name_or_path: str) -> str:

@@ -63,8 +63,7 @@ def test_demo_prompts_and_default():
     assert registry.demo_prompts_for("pycoder") == registry.PYCODER.demo_prompts
     assert all(p.strip() for p in registry.PYCODER.demo_prompts)
     assert registry.demo_prompts_for("tiny") is None
-    # the tests run on `tiny`: the default moves to pycoder only with its weights in the tree
-    assert registry.DEFAULT_MODEL in ("tiny", *registry.BUILTIN_CHECKPOINTS)
-    if registry.DEFAULT_MODEL != "tiny":
-        assert (registry.BUILTIN_CHECKPOINTS[registry.DEFAULT_MODEL].target_dir
-                / "config.json").is_file()
+    # the default is a trained checkpoint that ships in the tree, target and draft
+    checkpoint = registry.BUILTIN_CHECKPOINTS[registry.DEFAULT_MODEL]
+    assert (checkpoint.target_dir / "model.safetensors").is_file()
+    assert (checkpoint.draft_dir / "model.safetensors").is_file()
