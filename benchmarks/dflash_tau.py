@@ -51,6 +51,11 @@ class TauConfig:
     device: str = "cpu"
     kernels: str = "auto"
     seed: int = 0
+    # None: the checkpoint's own (bf16 for the built-in pair). float32 takes bf16's one-ulp
+    # ties out of the greedy comparison: in bf16 two logits of a flat distribution are often
+    # equal, and which one wins then depends on rounding that differs between a verify
+    # forward of a block and a decode step
+    dtype: str | None = None
 
 
 @dataclass
@@ -136,7 +141,9 @@ def run_tau(config: TauConfig, *, progress: bool = True) -> TauReport:
     kernels = config.kernels
     if kernels == "auto":
         kernels = "gpu" if torch.device(config.device).type == "cuda" else "reference"
-    target = load_model(config.model, device=config.device, kernels=select_kernels(kernels))
+    dtype = getattr(torch, config.dtype) if config.dtype else None
+    target = load_model(config.model, dtype=dtype, device=config.device,
+                        kernels=select_kernels(kernels))
     draft = load_draft(config.draft, target)
     eos = eos_token_ids_for(config.model, target.config)
     tokenizer = load_tokenizer(config.model, allow_missing=True)
@@ -229,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kernels", default="auto")
     p.add_argument("--seed", type=int, default=TauConfig.seed)
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default: the checkpoint's)")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
     config = TauConfig(
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         temperatures=_floats(args.temperatures), num_prompts=args.num_prompts,
         prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
         speed_batches=tuple(int(b) for b in _floats(args.speed_batches)),
-        device=args.device, kernels=args.kernels, seed=args.seed)
+        device=args.device, kernels=args.kernels, seed=args.seed, dtype=args.dtype)
     report = run_tau(config)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
