@@ -36,7 +36,7 @@ from common.model.builtin import fill_deterministic, fill_draft_deterministic
 from common.model.dflash import DFlashDraftModel
 from common.model.dflash_config import DFlashConfig
 from common.model.family_registry import model_class_for
-from common.ops.gpu_backends import select_kernels
+from common.model.kernels import select_kernels
 from common.sampling import SamplingParams
 
 CONTEXT = 512

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable
 
+from common.ops.gpu_backends import backends_for
 from common.ops.registry import OpRegistry, default_registry
 
 
@@ -62,3 +63,13 @@ class Kernels:
 
 # every op the model calls: the registry names of the Kernels fields
 MODEL_OPS: tuple[str, ...] = tuple(f.name for f in fields(Kernels) if f.name != "backends")
+
+
+def select_kernels(name: str) -> Kernels:
+    """The :class:`Kernels` of kernel set ``name`` (``common/ops/gpu_backends.py``). Resolves, and
+    so imports, the chosen backends now: a missing GPU library fails here, not mid-forward."""
+    try:
+        return Kernels.select(backends=backends_for(name), registry=default_registry())
+    except ImportError as exc:
+        raise ValueError(f"kernel set {name!r} needs its GPU libraries ({exc}); install the "
+                         "package's `gpu` extra, or use --kernels reference") from exc
