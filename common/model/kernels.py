@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Callable
 
 from common.ops.gpu_backends import backends_for
-from common.ops.registry import OpRegistry, default_registry
+from common.ops.graph_capabilities import GraphSupport, graph_support
+from common.ops.registry import REFERENCE_BACKEND, OpRegistry, default_registry
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,12 @@ class Kernels:
         chosen = {op: backends.get(op, "reference") for op in MODEL_OPS}
         fns = {op: registry.get(op, backend) for op, backend in chosen.items()}
         return cls(**fns, backends=tuple(chosen.items()))
+
+    def graph_support(self, ops: Iterable[str]) -> GraphSupport:
+        """What CUDA graphs may do with forwards calling ``ops``, as the chosen backends
+        declare (``common/ops/graph_capabilities.py``)."""
+        chosen = dict(self.backends)
+        return graph_support({op: chosen.get(op, REFERENCE_BACKEND) for op in ops})
 
 
 # every op the model calls: the registry names of the Kernels fields
