@@ -36,7 +36,7 @@ from common.model.builtin import fill_deterministic, fill_draft_deterministic
 from common.model.dflash import DFlashDraftModel
 from common.model.dflash_config import DFlashConfig
 from common.model.family_registry import model_class_for
-from common.ops.gpu_backends import select_kernels
+from common.model.kernels import select_kernels
 from common.sampling import SamplingParams
 
 CONTEXT = 512
@@ -148,15 +148,14 @@ def baseline_kernels(model, spec: str):
 
     if "=" not in spec:
         return select_kernels(spec)
-    fields = {op: field for field, op in MODEL_OPS.items()}
     registry, chosen = default_registry(), dict(model.kernels.backends)
     replace = {}
     for item in spec.split(","):
         op, _, backend = item.partition("=")
-        if op not in fields or not backend:
+        if op not in MODEL_OPS or not backend:
             raise ValueError(f"--baseline: {item!r} is not OP=BACKEND for a model op "
-                             f"({', '.join(sorted(fields))})")
-        replace[fields[op]] = registry.get(op, backend)
+                             f"({', '.join(sorted(MODEL_OPS))})")
+        replace[op] = registry.get(op, backend)
         chosen[op] = backend
     return dataclasses.replace(model.kernels, **replace, backends=tuple(chosen.items()))
 

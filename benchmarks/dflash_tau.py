@@ -135,7 +135,7 @@ def _params(config: TauConfig, temperature: float, i: int) -> SamplingParams:
 def run_tau(config: TauConfig, *, progress: bool = True) -> TauReport:
     from common.model.dflash import load_draft
     from common.model.load import eos_token_ids_for, load_model
-    from common.ops.gpu_backends import select_kernels
+    from common.model.kernels import select_kernels
     from common.tokenizer import load_tokenizer
 
     kernels = config.kernels

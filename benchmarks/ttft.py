@@ -63,7 +63,7 @@ def random_checkpoint(workdir: Path) -> str:
 
 
 def in_process(args, lengths: list[int]) -> dict:
-    from common.ops.gpu_backends import select_kernels
+    from common.model.kernels import select_kernels
 
     kernels = select_kernels("gpu" if args.device.startswith("cuda") else "reference")
     model = load_model(args.model, device=args.device, kernels=kernels)

@@ -89,9 +89,9 @@ def add_cuda_graph_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_kernel_args(p: argparse.ArgumentParser) -> None:
-    from common.ops.gpu_backends import BACKEND_SETS
+    from common.ops.gpu_backends import AUTO, BACKEND_SETS
 
-    p.add_argument("--kernels", default="auto", choices=("auto", *BACKEND_SETS),
+    p.add_argument("--kernels", default=AUTO, choices=(AUTO, *BACKEND_SETS),
                    help="kernel set (docs/kernels.md); auto: 'gpu' on a CUDA device, else "
                         "'reference'")
 

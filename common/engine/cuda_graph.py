@@ -8,8 +8,9 @@ scratch page 0 only; their logits are dropped.
 
 The model reads its inputs from fixed device buffers (:class:`StaticInputs`); a step copies the
 real requests' ids, positions, KV slots and state slots into them with one host-to-device copy,
-refreshes the attention plan (``common.ops.attention``), and replays. With ``capture=False`` the
-same buffers and padding run eagerly, which is how the CPU tests check the padded path.
+refreshes the attention plan (the kind the attention backend declares in
+``common/ops/graph_capabilities.py``), and replays. With ``capture=False`` the same buffers and
+padding run eagerly, which is how the CPU tests check the padded path.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from common.cache.state_pool import GDNStatePool
 from common.engine.request import Request
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
-from common.ops.attention.planned import TorchPlannedAttention
 from common.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -117,22 +117,15 @@ class StaticInputs:
 
 
 def _attention_plan(model: HybridForCausalLM, kv_pool: KVPool, *, rows: int, q_len: int,
-                    workspace: torch.Tensor | None):
-    """FlashInfer's graph-mode attention given its workspace, else the kernel set's
-    ``paged_attention`` planned on the host (not capturable)."""
+                    make_plan: Callable[..., Any]):
+    """The attention plan of ``rows`` rows of ``q_len`` tokens, from the factory the kernels'
+    graph support gave (``GraphSupport.attention_plans``)."""
     c = model.config
-    scale = c.head_dim ** -0.5
-    if workspace is not None:
-        from common.ops.attention.flashinfer_graph import FlashInferGraphAttention
-
-        return FlashInferGraphAttention(
-            batch_size=rows, q_len=q_len, num_qo_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-            page_size=kv_pool.page_size,
-            max_pages=kv_pool.num_pages + rows * kv_pool.pages_for(q_len),
-            dtype=kv_pool.kv.dtype, scale=scale, float_workspace=workspace)
-    return TorchPlannedAttention(model.kernels.paged_attention, q_len=q_len, scale=scale,
-                                 device=kv_pool.kv.device)
+    return make_plan(
+        batch_size=rows, q_len=q_len, num_qo_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, page_size=kv_pool.page_size,
+        max_pages=kv_pool.num_pages + rows * kv_pool.pages_for(q_len), dtype=kv_pool.kv.dtype,
+        scale=c.head_dim ** -0.5)
 
 
 class GraphRunner:
@@ -162,17 +155,12 @@ class GraphRunner:
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         device = kv_pool.kv.device
         self.inputs = StaticInputs(self.batch_sizes[-1], q_len, device)
-        backend = dict(model.kernels.backends).get("paged_attention")
-        workspace = None
-        if backend == "flashinfer" and device.type == "cuda":
-            from common.ops.attention.flashinfer_graph import workspace as make_workspace
-
-            workspace = make_workspace(device)
-        elif capture:
-            raise ValueError(f"CUDA graphs need a capturable attention backend (flashinfer), "
-                             f"not {backend!r}: choose --kernels gpu, or turn graphs off")
+        # the attention backend's capturable plans on a CUDA device, else plans made on the
+        # host (uncaptured runs only; asking to capture them raises)
+        make_plan = model.graph_support().attention_plans(model.kernels.paged_attention,
+                                                          device, capture=capture)
         self.attention = {bs: _attention_plan(model, kv_pool, rows=bs, q_len=q_len,
-                                              workspace=workspace)
+                                              make_plan=make_plan)
                           for bs in self.batch_sizes}
         self.batches = {bs: self.inputs.batch(mode, bs, self.attention[bs])
                         for bs in self.batch_sizes}

@@ -122,9 +122,9 @@ def select_kernel_set(name: str | None, device: str):
     default."""
     if name is None:
         return None
-    from common.ops.gpu_backends import describe, select_kernels
+    from common.model.kernels import select_kernels
+    from common.ops.gpu_backends import describe, set_for_device
 
-    if name == "auto":
-        name = "gpu" if str(device).startswith("cuda") else "reference"
+    name = set_for_device(name, device)
     log.info("kernels %s", describe(name))
     return select_kernels(name)

@@ -109,24 +109,17 @@ class LLMEngine:
         if not graphs.enabled or config.hold_after_prefill or (graphs.capture and not on_gpu):
             return False
         if graphs.capture and token_cap == 0:
-            # the reference MoE op groups tokens by expert on the host: no graph can replay it
-            log.warning("CUDA graphs are off: the sparse MoE backend %r is not capturable; "
-                        "decode runs eagerly",
-                        dict(self.model.kernels.backends).get("sparse_moe"))
+            # an op reads the host at any size: no graph can replay it
+            log.warning("CUDA graphs are off: %s not capturable; decode runs eagerly",
+                        ", ".join(self.model.graph_support().not_capturable))
             return False
         return True
 
     def _graph_token_cap(self) -> int | None:
-        """Most tokens one captured forward may hold, as the model's ops allow (None: no limit).
-        Only MoE models have one: the capturable and Triton MoE ops read no host value up to
-        their ``MAX_TOKENS``; the reference has none (0)."""
-        cfg = self.model.config
-        if not any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
-            return None
-        from common.ops.moe import capturable
-
-        backend = dict(self.model.kernels.backends).get("sparse_moe")
-        return capturable.MAX_TOKENS if backend in ("capturable", "triton") else 0
+        """Most tokens one captured forward may hold, as the backends of the model's ops
+        declare (``common/ops/graph_capabilities.py``; None: no limit; 0: an op no graph can
+        replay)."""
+        return self.model.graph_support().max_tokens
 
     def _decode_graphs(self, token_cap: int | None) -> GraphRunner:
         running = self.config.scheduler.max_running_requests

@@ -115,7 +115,7 @@ class DraftAttention(nn.Module):
         t = x.shape[0]
         k = self.k_norm(self.k_proj(x, kn).view(t, self.kv_heads, self.head_dim), kn)
         v = self.v_proj(x, kn).view(t, self.kv_heads, self.head_dim)
-        _, k = kn.rope(q=k, k=k, positions=positions, inv_freq=inv_freq)
+        _, k = kn.apply_rope(q=k, k=k, positions=positions, inv_freq=inv_freq)
         return k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, *, num_blocks: int,
@@ -127,8 +127,8 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(x, kn).view(t, self.heads, self.head_dim), kn)
         k = self.k_norm(self.k_proj(x, kn).view(t, self.kv_heads, self.head_dim), kn)
         v = self.v_proj(x, kn).view(t, self.kv_heads, self.head_dim)
-        q, k = kn.rope(q=q, k=k, positions=positions, inv_freq=inv_freq)
-        o = kn.draft_attention(
+        q, k = kn.apply_rope(q=q, k=k, positions=positions, inv_freq=inv_freq)
+        o = kn.draft_block_attention(
             q=q.view(num_blocks, b, self.heads, self.head_dim),
             block_k=k.view(num_blocks, b, self.kv_heads, self.head_dim),
             block_v=v.view(num_blocks, b, self.kv_heads, self.head_dim),

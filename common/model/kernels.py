@@ -2,58 +2,44 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import Callable
 
-from common.ops.registry import OpRegistry, default_registry
-
-# Kernels field -> registry op name, for every op the model calls.
-MODEL_OPS = {
-    "rms_norm": "rms_norm",
-    "add_rms_norm": "add_rms_norm",
-    "gated_rms_norm": "gated_rms_norm",
-    "conv1d_prefill": "causal_conv1d_prefill",
-    "gdn_gating": "gdn_gating",
-    "gdn_chunk": "chunk_gated_delta_rule",
-    "gdn_verify": "gdn_verify",
-    "gdn_decode_in_place": "gdn_decode_in_place",
-    "conv1d_update_in_place": "conv1d_update_in_place",
-    "gdn_commit_in_place": "gdn_commit_in_place",
-    "rope": "apply_rope",
-    "paged_attention": "paged_attention",
-    "store_paged_kv": "store_paged_kv",
-    "qk_norm_rope_store": "qk_norm_rope_store",
-    "sigmoid_gate_mul": "sigmoid_gate_mul",
-    "draft_attention": "draft_block_attention",
-    "silu_and_mul": "silu_and_mul",
-    "sparse_moe": "sparse_moe",
-    "linear": "linear",
-}
+from common.ops.gpu_backends import backends_for
+from common.ops.graph_capabilities import GraphSupport, graph_support
+from common.ops.registry import REFERENCE_BACKEND, OpRegistry, default_registry
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """Resolved kernel callables; the model never looks a backend up at call time."""
+    """Resolved kernel callables; the model never looks a backend up at call time.
+
+    Every field but ``backends`` is named like its op in the registry
+    (``common/ops/registry.py``), so one name finds an op in the model, in a kernel set and in
+    its modules.
+    """
 
     rms_norm: Callable
     add_rms_norm: Callable
     gated_rms_norm: Callable
-    conv1d_prefill: Callable
+    causal_conv1d_prefill: Callable
     gdn_gating: Callable
-    gdn_chunk: Callable
+    chunk_gated_delta_rule: Callable
     gdn_verify: Callable
     gdn_decode_in_place: Callable
     conv1d_update_in_place: Callable
     gdn_commit_in_place: Callable
-    rope: Callable
+    apply_rope: Callable
     paged_attention: Callable
     store_paged_kv: Callable
     qk_norm_rope_store: Callable
     sigmoid_gate_mul: Callable
-    draft_attention: Callable
+    draft_block_attention: Callable
     silu_and_mul: Callable
     sparse_moe: Callable
     linear: Callable
+    # (op, backend) for every op above: what each field was resolved from
     backends: tuple[tuple[str, str], ...] = ()
 
     @classmethod
@@ -72,6 +58,26 @@ class Kernels:
         unknown = sorted(set(backends) - set(registry.ops()))
         if unknown:
             raise ValueError(f"unknown ops {unknown}; ops are {registry.ops()}")
-        chosen = {op: backends.get(op, "reference") for op in MODEL_OPS.values()}
-        fns = {field: registry.get(op, chosen[op]) for field, op in MODEL_OPS.items()}
+        chosen = {op: backends.get(op, "reference") for op in MODEL_OPS}
+        fns = {op: registry.get(op, backend) for op, backend in chosen.items()}
         return cls(**fns, backends=tuple(chosen.items()))
+
+    def graph_support(self, ops: Iterable[str]) -> GraphSupport:
+        """What CUDA graphs may do with forwards calling ``ops``, as the chosen backends
+        declare (``common/ops/graph_capabilities.py``)."""
+        chosen = dict(self.backends)
+        return graph_support({op: chosen.get(op, REFERENCE_BACKEND) for op in ops})
+
+
+# every op the model calls: the registry names of the Kernels fields
+MODEL_OPS: tuple[str, ...] = tuple(f.name for f in fields(Kernels) if f.name != "backends")
+
+
+def select_kernels(name: str) -> Kernels:
+    """The :class:`Kernels` of kernel set ``name`` (``common/ops/gpu_backends.py``). Resolves, and
+    so imports, the chosen backends now: a missing GPU library fails here, not mid-forward."""
+    try:
+        return Kernels.select(backends=backends_for(name), registry=default_registry())
+    except ImportError as exc:
+        raise ValueError(f"kernel set {name!r} needs its GPU libraries ({exc}); install the "
+                         "package's `gpu` extra, or use --kernels reference") from exc

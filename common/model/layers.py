@@ -216,15 +216,16 @@ class GatedDeltaNet(nn.Module):
             o [T, HV, V], the new conv state [N, conv_dim, W-1] and the new ssm state
             [N, HV, V, K] (pool layout).
         """
-        mixed_qkv, new_conv = kn.conv1d_prefill(
+        mixed_qkv, new_conv = kn.causal_conv1d_prefill(
             x=mixed_qkv, weight=self.conv1d.weight.squeeze(1), cu_seqlens=cu_seqlens,
             initial_state=conv_state, activation="silu")
         q, k, v = self._heads(mixed_qkv)
         g, beta = kn.gdn_gating(A_log=self.A_log, a=a, dt_bias=self.dt_bias, b=b)
         # pool layout [HV, V, K] -> the ops' K-major [HV, K, V]
-        o, final_state = kn.gdn_chunk(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
-                                      initial_state=ssm_state.transpose(-1, -2),
-                                      use_qk_l2norm=True)
+        o, final_state = kn.chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta,
+                                                   cu_seqlens=cu_seqlens,
+                                                   initial_state=ssm_state.transpose(-1, -2),
+                                                   use_qk_l2norm=True)
         return o, new_conv, final_state.transpose(-1, -2)
 
 

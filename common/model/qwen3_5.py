@@ -19,7 +19,8 @@ from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
 from common.config import FULL_ATTENTION, ModelConfig
 from common.model.forward_batch import ForwardBatch, ForwardMode
-from common.model.kernels import Kernels
+from common.model.kernels import MODEL_OPS, Kernels
+from common.ops.graph_capabilities import GraphSupport
 from common.ops.rope.reference import rope_inv_freq
 from common.model.layers import (DenseMLP, ForwardContext, GatedAttention, GatedDeltaNet,
                                  RMSNorm, SparseMoE, _param)
@@ -179,6 +180,15 @@ class HybridForCausalLM(nn.Module):
     @property
     def capture_layer_ids(self) -> tuple[int, ...]:
         return self.model.capture_layer_ids
+
+    def graph_support(self) -> GraphSupport:
+        """What CUDA graphs may do with this model's forwards, as the backends of the ops they
+        call declare (asked again each time: a model's kernels may be swapped)."""
+        cfg = self.config
+        has_moe = any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        # a model without an MoE layer never calls sparse_moe, whatever backend it holds
+        return self.kernels.graph_support(op for op in MODEL_OPS
+                                          if op != "sparse_moe" or has_moe)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

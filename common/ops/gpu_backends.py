@@ -1,6 +1,8 @@
 """Named kernel sets: which backend each registry op uses, chosen by name (e.g. ``--kernels gpu``).
 
 Every set maps registry op names to backend names; ops a set leaves out use "reference".
+``common.model.kernels.select_kernels(name)`` resolves a set into the model's ``Kernels``
+(this module, below the model, only names the choices).
 
 - ``reference``: plain torch everywhere (CPU or GPU; the definition of the numbers).
 - ``gpu``: the fastest backends measured on H200 (docs/kernel_benchmarks.md): FlashInfer
@@ -31,10 +33,9 @@ with no GPU backend (l2norm, rope_inv_freq, MLP) are plain torch, which runs on 
 
 from __future__ import annotations
 
-from common.ops.registry import (GPU_OPS, PDL_BACKEND, REFERENCE_BACKEND, REFERENCE_OPS,
-                                 default_registry)
+from common.ops.registry import GPU_OPS, PDL_BACKEND, REFERENCE_BACKEND, REFERENCE_OPS
 
-__all__ = ["BACKEND_SETS", "backends_for", "chosen_backends", "describe", "select_kernels"]
+__all__ = ["AUTO", "BACKEND_SETS", "backends_for", "chosen_backends", "describe", "set_for_device"]
 
 _GPU = {
     "chunk_gated_delta_rule": "flashinfer",
@@ -72,6 +73,10 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
 }
 
 
+# the set a worker takes when none is named: the fastest where there is a GPU, else the definition
+AUTO = "auto"
+
+
 def _check_sets() -> None:
     for name, backends in BACKEND_SETS.items():
         for op, backend in backends.items():
@@ -103,13 +108,9 @@ def describe(name: str, ops: list[str] | None = None) -> str:
     return f"{name}: " + ", ".join(special + ([f"{rest} ops reference"] if rest else []))
 
 
-def select_kernels(name: str):
-    """The model's :class:`~common.model.kernels.Kernels` for set ``name`` (resolves, and so
-    imports, the chosen backends now: a missing GPU library fails here, not mid-forward)."""
-    from common.model.kernels import Kernels
-
-    try:
-        return Kernels.select(backends=backends_for(name), registry=default_registry())
-    except ImportError as exc:
-        raise ValueError(f"kernel set {name!r} needs its GPU libraries ({exc}); install the "
-                         "package's `gpu` extra, or use --kernels reference") from exc
+def set_for_device(name: str, device: str) -> str:
+    """The set ``name`` stands for on ``device``: :data:`AUTO` is ``gpu`` on a CUDA device and
+    ``reference`` elsewhere; any other name is itself."""
+    if name == AUTO:
+        return "gpu" if str(device).startswith("cuda") else "reference"
+    return name

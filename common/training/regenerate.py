@@ -46,7 +46,7 @@ def regenerate(config: RegenerateConfig) -> dict:
     from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
     from common.engine.scheduler import SchedulerConfig
     from common.model.load import eos_token_ids_for, load_model
-    from common.ops.gpu_backends import select_kernels
+    from common.model.kernels import select_kernels
     from common.sampling import SamplingParams
     from common.tokenizer import load_tokenizer
     from common.training.token_data import WindowSampler, read_documents, token_stream

@@ -100,7 +100,7 @@ class _Run:
 
     def __init__(self, config: DraftTrainConfig) -> None:
         from common.model.load import eos_token_ids_for, load_model
-        from common.ops.gpu_backends import select_kernels
+        from common.model.kernels import select_kernels
         from common.tokenizer import load_tokenizer
 
         self.config = config

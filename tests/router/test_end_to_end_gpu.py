@@ -19,7 +19,7 @@ from common.engine.llm_engine import EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
 from common.model.dflash import load_draft
 from common.model.load import load_config, load_model
-from common.ops.gpu_backends import select_kernels
+from common.model.kernels import select_kernels
 from common.sampling import SamplingParams
 from router.cluster import Cluster, ClusterConfig
 from router.remote import generate, request_to_pb

@@ -151,7 +151,7 @@ def test_openai_client_reads_the_grpc_logprobs(cluster):
 def test_on_a_gpu_with_graphs_and_overlap():
     """On a GPU the decode worker replays CUDA graphs and overlaps steps: a request without
     log-probabilities, then ones with them, alone and in one batch with it."""
-    from common.ops.gpu_backends import select_kernels
+    from common.model.kernels import select_kernels
 
     # the reference on the same GPU with the same kernels (its prefill ones, for one forward)
     model = load_model("tiny", device="cuda", kernels=select_kernels("gpu"))

@@ -13,14 +13,15 @@ shape, and a captured graph must keep the kernel it was captured with.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
 from common.ops.attention.flashinfer import decode_uses_tensor_cores
 from common.ops.attention.planned import page_layout
 
-__all__ = ["FlashInferGraphAttention", "workspace"]
+__all__ = ["FlashInferGraphAttention", "graph_attention", "workspace"]
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
 
@@ -29,6 +30,14 @@ def workspace(device: torch.device | str) -> torch.Tensor:
     """A zeroed float workspace for FlashInfer's split-KV partial results. Wrappers whose runs
     never overlap (graphs replayed one after another on one stream) may share one."""
     return torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
+def graph_attention(device: torch.device | str) -> Callable[..., "FlashInferGraphAttention"]:
+    """The factory of one graph runner's attention plans (``common/ops/graph_capabilities.py``
+    declares it for the ``flashinfer`` backend): :class:`FlashInferGraphAttention` with every
+    other argument given per plan, all sharing one new :func:`workspace` on ``device`` (a
+    runner replays its graphs one after another on one stream)."""
+    return functools.partial(FlashInferGraphAttention, float_workspace=workspace(device))
 
 
 class FlashInferGraphAttention:

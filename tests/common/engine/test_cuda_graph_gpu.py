@@ -141,7 +141,7 @@ def moe_model():
     from benchmarks.shapes import QWEN3_5_35B_A3B
     from common.model.builtin import fill_deterministic
     from common.model.family_registry import model_class_for, parse_model_config
-    from common.ops.gpu_backends import select_kernels
+    from common.model.kernels import select_kernels
 
     config = parse_model_config({**QWEN3_5_35B_A3B, "num_hidden_layers": 4})
     with torch.device("cuda"):

@@ -126,7 +126,7 @@ def test_graph_replay_and_overlap_on_a_gpu(with_draft):
     """The built-in model on a GPU with its kernels: decode steps replayed from CUDA graphs
     and overlapped (DFLASH steps from their graphs), a request without log-probabilities
     running first, against log_softmax of one plain forward on the same GPU."""
-    from common.ops.gpu_backends import select_kernels
+    from common.model.kernels import select_kernels
 
     model = load_model("tiny", device="cuda", kernels=select_kernels("gpu"))
     draft = load_draft("tiny", model) if with_draft else None

@@ -14,7 +14,7 @@ import pytest
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.model.dflash import load_draft
 from common.model.load import load_model
-from common.ops.gpu_backends import select_kernels
+from common.model.kernels import select_kernels
 from common.sampling import SamplingParams
 from common.training.draft_setup import DraftArch
 from common.training.schedule import Budget

@@ -167,4 +167,4 @@ def test_unserved_inputs_use_reference():
                  block_v=inp["block_v"].float(), k_cache=inp["k_cache"].bfloat16())
     assert torch.equal(dt.draft_block_attention(**mixed), ref.draft_block_attention(**mixed))
     kernels = Kernels.select(backends={"draft_block_attention": "triton"})
-    assert kernels.draft_attention is dt.draft_block_attention
+    assert kernels.draft_block_attention is dt.draft_block_attention

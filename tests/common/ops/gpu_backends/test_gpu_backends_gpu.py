@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 
+from common.model.kernels import select_kernels
 from common.ops import gpu_backends
 from common.ops.registry import GPU_OPS, default_registry
 from tests.common.compare import cosine, rel_rmse
@@ -41,10 +42,13 @@ def test_backend_sets_name_registered_backends():
     assert plain["linear"] == "triton" and plain["paged_attention"] == "flashinfer"
     with pytest.raises(ValueError, match="known: gpu, gpu-fla, gpu-no-pdl, reference"):
         gpu_backends.backends_for("fast")
+    assert gpu_backends.set_for_device("auto", "cuda:1") == "gpu"
+    assert gpu_backends.set_for_device("auto", "cpu") == "reference"
+    assert gpu_backends.set_for_device("gpu-fla", "cpu") == "gpu-fla"
 
 
 def test_reference_set_selects_reference_kernels():
-    kernels = gpu_backends.select_kernels("reference")
+    kernels = select_kernels("reference")
     assert all(b == "reference" for _, b in kernels.backends)
 
 
@@ -99,9 +103,9 @@ def test_tiny_model_greedy_tokens_match(record_metric):
     prompts = [[int(x) for x in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (2, 23, 61, 130)]
     steps = 32
-    model.kernels = gpu_backends.select_kernels("reference")
+    model.kernels = select_kernels("reference")
     ref_toks, ref_logits = greedy(model, prompts, steps)
-    model.kernels = gpu_backends.select_kernels("gpu")
+    model.kernels = select_kernels("gpu")
     got_toks, got_logits = greedy(model, prompts, steps)
     record_metric("first_step_logits.rel_rmse", rel_rmse(got_logits[:, 0], ref_logits[:, 0]))
     assert rel_rmse(got_logits[:, 0], ref_logits[:, 0]) <= 1e-3
@@ -151,7 +155,7 @@ def test_qwen35_4b_shaped_logits_match(record_metric, model_4b_2l):
     total = [a + b + decode_steps for a, b in zip((300, 77), (50, 13))]
     runs = {}
     for name in ("reference", "gpu"):
-        model.kernels = gpu_backends.select_kernels(name)
+        model.kernels = select_kernels(name)
         run = Runner(model, total)
         logits = [run.forward(ForwardMode.EXTEND, first, [0, 0], all_logits=True)]
         logits.append(run.forward(ForwardMode.EXTEND, second, [300, 77], all_logits=True))

@@ -20,10 +20,10 @@ def test_every_kernel_set_resolves(name):
             registry.register(op, backend, lambda s=stub: s, replace=True)
     kernels = Kernels.select(backends=backends_for(name), registry=registry)
     chosen = dict(kernels.backends)
-    for field, op in MODEL_OPS.items():
+    for op in MODEL_OPS:
         backend = backends_for(name).get(op, "reference")
         assert chosen[op] == backend
-        fn = getattr(kernels, field)
+        fn = getattr(kernels, op)
         if backend != "reference":
             assert fn is stubs[(op, backend)]
 
