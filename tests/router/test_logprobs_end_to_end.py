@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import openai
 import pytest
 
 from common.chat_template import load_chat_template
@@ -106,6 +105,8 @@ def test_a_request_without_logprobs_then_one_with_them(cluster, model):
 
 
 def test_openai_client_reads_the_grpc_logprobs(cluster):
+    import openai  # here, not at the top: the GPU case of this file needs no HTTP client
+
     grpc_out = run_grpc(cluster, PROMPTS[1], SamplingParams(
         temperature=0.0, max_new_tokens=8, ignore_eos=True, logprobs=2))
     def text_of(token_id):
