@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 # far longer than the grace: it is still running when the grace is over
 LONG = SamplingParams(temperature=0.0, max_new_tokens=3000, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
-UP_ARGS = ("--quiet", "--page-size", "4", "--num-pages", "2048", "--num-slots", "9",
+UP_ARGS = ("--quiet", "--model", "tiny", "--page-size", "4", "--num-pages", "2048", "--num-slots", "9",
            "--grace", str(GRACE))
 
 

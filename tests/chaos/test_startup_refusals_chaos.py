@@ -19,7 +19,7 @@ from common.auth import new_secret
 from common.security import TOKEN_ENV, TOKEN_FILE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
-FAKES = ("--prefill-module", "tests.router.fake_prefill",
+FAKES = ("--model", "tiny", "--prefill-module", "tests.router.fake_prefill",
          "--decode-module", "tests.router.fake_decode")
 
 

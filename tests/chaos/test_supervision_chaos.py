@@ -25,7 +25,7 @@ from tests.router.test_end_to_end import local_greedy
 
 PROMPTS = [[3, 4, 5], [(11 * j) % 256 for j in range(21)]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
-UP_ARGS = ("--quiet", "--page-size", "4", "--num-pages", "64", "--num-slots", "9",
+UP_ARGS = ("--quiet", "--model", "tiny", "--page-size", "4", "--num-pages", "64", "--num-slots", "9",
            "--grace", "1", "--prefill-module", "tests.chaos.stoppable_prefill",
            "--decode-module", "tests.chaos.stoppable_decode")
 

@@ -14,7 +14,7 @@ from router.cli import main
 
 
 def run_json(capsys, *args) -> dict:
-    assert main(["generate", "--json", *args]) == 0
+    assert main(["generate", "--model", "tiny", "--json", *args]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -38,7 +38,7 @@ def test_generate_json_reports_logprobs_when_asked(capsys):
                                for lp in req.logprobs]
     assert len(out["logprobs"]) == 4 and all(len(lp["top"]) == 2 for lp in out["logprobs"])
     assert "logprobs" not in run_json(capsys, "--prompt-ids", "1,2", "--max-new-tokens", "2")
-    assert main(["generate", "--prompt-ids", "1", "--logprobs", "21"]) == 2
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "1", "--logprobs", "21"]) == 2
     assert "logprobs" in capsys.readouterr().err
 
 
@@ -52,8 +52,8 @@ def test_generate_text_prompt_and_seeded_sampling_is_reproducible(capsys):
 
 def test_generate_rejects_bad_input(capsys):
     with pytest.raises(SystemExit, match="comma-separated integers"):
-        main(["generate", "--prompt-ids", "1,x", "--max-new-tokens", "2"])
-    assert main(["generate", "--prompt-ids", "999", "--max-new-tokens", "2"]) == 2
+        main(["generate", "--model", "tiny", "--prompt-ids", "1,x", "--max-new-tokens", "2"])
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "999", "--max-new-tokens", "2"]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err
 
 
@@ -67,5 +67,5 @@ def test_generate_through_a_router_refuses_draft_flags(capsys, flag):
 
 
 def test_speculative_on_without_a_draft_is_an_error_in_process(capsys):
-    assert main(["generate", "--prompt", "Hi", "--speculative", "on"]) == 2
+    assert main(["generate", "--model", "tiny", "--prompt", "Hi", "--speculative", "on"]) == 2
     assert "--speculative on needs --draft" in capsys.readouterr().err

@@ -80,7 +80,7 @@ def test_worker_dying_at_start_stops_everything_and_reports_its_stderr():
 
 def test_up_prints_the_router_address_and_stops_cleanly_on_sigint():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "up", "--quiet", "--prefill-module",
+        [sys.executable, "-m", "router.cli", "up", "--quiet", "--model", "tiny", "--prefill-module",
          FAKES["prefill_module"], "--decode-module", FAKES["decode_module"]],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

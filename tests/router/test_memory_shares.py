@@ -8,7 +8,7 @@ from router.memory_shares import device_key, device_of, memory_shares
 
 
 def worker(*args: str) -> list[str]:
-    return ["-m", "decode_service", "--port", "0", *args]
+    return ["-m", "decode_service", "--model", "tiny", "--port", "0", *args]
 
 
 def test_two_workers_on_one_gpu_get_half_each():

@@ -36,7 +36,7 @@ def outputs(engine: LLMEngine, speculative: bool | None = None) -> list[list[int
 def worker_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_worker_args(p)
-    return p.parse_args(["--no-progress", *argv])
+    return p.parse_args(["--model", "tiny", "--no-progress", *argv])
 
 
 def test_the_tiny_model_builds_with_its_layout_fingerprint_and_eos():
@@ -99,7 +99,7 @@ def test_auto_kernels_are_the_reference_set_on_the_cpu():
 def test_generate_in_process_speculates_through_the_factory(capsys):
     from router.cli import main
 
-    assert main(["generate", "--json", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "8",
+    assert main(["generate", "--model", "tiny", "--json", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "8",
                  "--temperature", "0", "--ignore-eos", "--draft", "tiny",
                  "--speculative", "on"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -128,7 +128,7 @@ def test_the_profile_prefill_leaves_the_pools_as_it_found_them(tiny):
 def worker_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_worker_args(p)
-    return p.parse_args(list(argv))
+    return p.parse_args(["--model", "tiny", *argv])
 
 
 def test_a_prefill_worker_that_shares_its_pools_budgets_for_their_copy():
@@ -164,7 +164,7 @@ def test_explicit_pages_win_over_the_fraction(monkeypatch):
 
 def test_a_worker_whose_pools_do_not_fit_exits_2_saying_what_to_change():
     done = subprocess.run(
-        [sys.executable, "-m", "decode_service", "--mem-fraction", "0.000001",
+        [sys.executable, "-m", "decode_service", "--model", "tiny", "--mem-fraction", "0.000001",
          "--insecure-no-auth", "--no-progress"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "error: --mem-fraction 1e-06 gives" in done.stderr
