@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.phase_metrics import PHASES, PhaseScraper
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
 from common.model.load import load_model
@@ -103,11 +104,13 @@ def disaggregated(args, lengths: list[int], vocab: int, transport: str) -> dict:
                    "--num-pages", str(args.num_pages), "--num-slots", str(args.concurrent + 2),
                    "--max-prefill-tokens", str(args.max_prefill_tokens),
                    "--handoff-transport", transport)
-    config = ClusterConfig(model=args.model, worker_args=worker_args, start_timeout_s=900)
+    config = ClusterConfig(model=args.model, worker_args=worker_args, start_timeout_s=900,
+                           metrics=True)
     one = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
     out: dict = {"timings": {}, "first_tokens": {}}
     with Cluster(config) as cluster:
         address = cluster.router_address
+        phases = PhaseScraper([w.metrics_url for w in cluster.workers if w.metrics_url])
 
         async def ttft(prompt, params):
             start = time.perf_counter()
@@ -123,12 +126,15 @@ def disaggregated(args, lengths: list[int], vocab: int, transport: str) -> dict:
 
         for n in lengths:
             times, last = [], None
-            for r in range(args.repeats + 1):
+            asyncio.run(ttft(prompt_of(n, 0, vocab), one))  # warm-up, not measured
+            phases.start()
+            for r in range(1, args.repeats + 1):
                 t, last = asyncio.run(ttft(prompt_of(n, r, vocab), one))
                 times.append(t)
-            out[n] = statistics.median(times[1:])
-            out["timings"][n] = {"client_ttft_s": times[1:],
-                                 "router_ttft_s": last.time_to_first_token_s}
+            out[n] = statistics.median(times)
+            out["timings"][n] = {"client_ttft_s": times,
+                                 "router_ttft_s": last.time_to_first_token_s,
+                                 **phases.stop()}
             out["first_tokens"][n] = last.token_ids[0]
 
         async def concurrent():
@@ -192,6 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         cells = "".join(f" {split[t][key] * 1e3:>9.1f}ms {split[t][key] / a:>6.2f}"
                         for t in transports)
         print(f"{name:<34} {a * 1e3:>9.1f}ms{cells}")
+    # where the disaggregated time goes: the workers' own histograms, means over the repeats
+    columns = [c for c, _ in PHASES]
+    print(f"\n{'phases (ms)':<22} {'client TTFT':>11}" + "".join(f" {c:>17}" for c in columns))
+    for t in transports:
+        for n in lengths:
+            timing = split[t]["timings"][n]
+            cells = "".join(f" {'-' if timing[c] is None else f'{timing[c] * 1e3:.1f}':>17}"
+                            for c in columns)
+            print(f"{t + ' ' + str(n):<22} {split[t][n] * 1e3:>11.1f}{cells}")
     for t in transports:
         same = split[t]["first_tokens"] == local["first_tokens"]
         print(f"{t}: first tokens equal in process: {same}; median TTFT of the "
