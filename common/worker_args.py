@@ -14,7 +14,8 @@ from common.engine.llm_engine import CacheConfig, EngineConfig
 from common.lifecycle import die_with_parent_if_asked
 from common.progress import NO_PROGRESS_ENV
 from common.logging_setup import add_log_format_arg, configure_logging
-from common.metrics.server import add_metrics_port_arg, check_metrics_port
+from common.metrics.server import add_metrics_port_arg
+from common.metrics.tls import metrics_ssl_context
 from common.model.registry import DEFAULT_MODEL
 from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig
@@ -160,7 +161,8 @@ def run_worker(args: argparse.Namespace, serve) -> int:
     try:
         security = security_from_args(args, os.environ)
         security.internal_server()  # its flag combinations are checked before the model loads
-        check_metrics_port(args.metrics_port, args.tls_cert)
+        if args.metrics_port is not None:  # its TLS files are checked before the model loads
+            metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

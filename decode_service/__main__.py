@@ -9,6 +9,7 @@ from common.cli_help import HelpFormatter, description
 from common.engine.factory import build_engine
 from common.grpc_util import serve_until_signal
 from common.metrics.server import bind_metrics, start_metrics
+from common.metrics.tls import metrics_ssl_context
 from common.security import Security
 from common.worker_args import add_worker_args, engine_settings_from_args, run_worker
 from decode_service.server import build_decode_service
@@ -20,7 +21,8 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     """Serve until SIGTERM/SIGINT (0) or until the engine thread dies (non-zero)."""
     server_security = security.internal_server()
     # bound before the model loads: a port in use fails at once
-    metrics_server = bind_metrics(args.host, args.metrics_port)
+    metrics_server = bind_metrics(args.host, args.metrics_port,
+                                  metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca))
     built = build_engine(engine_settings_from_args(args, prefill=False))
     llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
     service = build_decode_service(llm, layout, fingerprint, host=args.host, port=args.port,

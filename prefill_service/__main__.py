@@ -9,6 +9,7 @@ from common.cli_help import HelpFormatter, description
 from common.engine.factory import build_engine
 from common.grpc_util import bind, make_server, serve_until_signal
 from common.metrics.server import bind_metrics, start_metrics
+from common.metrics.tls import metrics_ssl_context
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
 from common.security import Security
 from common.shutdown import GracefulShutdown
@@ -29,7 +30,8 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     # bound before the model loads: a port in use fails at once, not after minutes of loading
     server, health = make_server([*server_security.interceptors(), shutdown.interceptor()])
     address = bind(server, args.host, args.port, server_security.credentials())
-    metrics_server = bind_metrics(args.host, args.metrics_port)
+    metrics_server = bind_metrics(args.host, args.metrics_port,
+                                  metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca))
     built = build_engine(engine_settings_from_args(args, prefill=True))
     llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
     # before the engine thread starts: the pools move into memory decode workers can open

@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from common.cli_help import HelpFormatter, description
 from common.lifecycle import die_with_parent_if_asked
 from common.logging_setup import add_log_format_arg, configure_logging
-from common.metrics.server import add_metrics_port_arg, check_metrics_port
+from common.metrics.server import add_metrics_port_arg
+from common.metrics.tls import metrics_ssl_context
 from common.model.registry import DEFAULT_MODEL
 from common.security import (add_api_key_args, add_security_args, api_key_from,
                              security_from_args)
@@ -92,7 +93,6 @@ def config_from_args(args: argparse.Namespace,
         raise SystemExit("error: give at least one --prefill and one --decode address")
     parse_targets(args.prefill, args.decode)  # a malformed address fails before anything starts
     security = security_from_args(args, environ)
-    check_metrics_port(args.metrics_port, args.tls_cert)
     return RouterConfig(
         model=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
         host=args.host, port=args.port,
@@ -110,7 +110,9 @@ def config_from_args(args: argparse.Namespace,
         limits=RequestLimits(max_prompt_tokens=args.max_prompt_tokens,
                              max_prompt_bytes=args.max_prompt_bytes,
                              max_message_bytes=args.max_message_bytes),
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port,
+        metrics_ssl_context=None if args.metrics_port is None else metrics_ssl_context(
+            args.tls_cert, args.tls_key, args.tls_ca))
 
 
 async def serve(config: RouterConfig) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -65,8 +66,10 @@ class RouterConfig:
     http: HttpConfig | None = None
     # caps on prompt and message sizes (router/limits.py)
     limits: RequestLimits = field(default_factory=RequestLimits)
-    # Prometheus metrics on a port of their own (None: only at the HTTP API's /metrics)
+    # Prometheus metrics on a port of their own (None: only at the HTTP API's /metrics), over
+    # TLS with the context (common/metrics/tls.py) when the router has --tls-cert
     metrics_port: int | None = None
+    metrics_ssl_context: ssl.SSLContext | None = None
 
 
 def delta_to_pb(request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
@@ -235,7 +238,8 @@ class Router:
         self.port = int(bind(server, self.config.host, self.config.port,
                              self.config.public.credentials()).rsplit(":", 1)[1])
         if self.config.metrics_port is not None:
-            self.metrics_server = MetricsServer(self.config.host, self.config.metrics_port)
+            self.metrics_server = MetricsServer(self.config.host, self.config.metrics_port,
+                                                self.config.metrics_ssl_context)
             self.metrics_server.start(self.generation.metrics.registry)
         await self.discovery.start()
         await self.registry.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import ssl
 import threading
 from wsgiref.simple_server import WSGIRequestHandler
 
@@ -16,16 +17,8 @@ def add_metrics_port_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being "
                         "--host (0 = any free port, printed as '... metrics on HOST:PORT'; "
-                        "default: not served)")
-
-
-def check_metrics_port(metrics_port: int | None, tls_cert: str | None) -> None:
-    """ValueError for ``--metrics-port`` on a service that serves TLS: a plaintext port beside
-    TLS ones is not what such a deployment asked for (metrics over TLS are not done yet)."""
-    if metrics_port is not None and tls_cert:
-        raise ValueError("--metrics-port serves plain HTTP, and this service serves TLS "
-                         "(--tls-cert); metrics over TLS are not done yet: leave out "
-                         "--metrics-port")
+                        "https with this service's --tls-cert, and client certificates "
+                        "required with --tls-ca; default: not served)")
 
 
 def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
@@ -54,7 +47,7 @@ class MetricsServer:
     serves a registry from :meth:`start` on, on a daemon thread, so a scrape never waits for
     the service's event loop."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         except socket.gaierror as exc:
@@ -65,6 +58,11 @@ class MetricsServer:
         except OSError as exc:
             raise OSError(f"cannot listen on {host}:{port} (metrics): "
                           f"{exc.strerror or exc}") from None
+        if ssl_context is not None:
+            # as prometheus_client's own https server does: each accepted connection shakes
+            # hands before its request is read
+            self._httpd.socket = ssl_context.wrap_socket(self._httpd.socket, server_side=True)
+        self.scheme = "http" if ssl_context is None else "https"
         self.host = host
         self._thread: threading.Thread | None = None
 
@@ -89,9 +87,11 @@ class MetricsServer:
         self._httpd.server_close()
 
 
-def bind_metrics(host: str, port: int | None) -> MetricsServer | None:
-    """A bound :class:`MetricsServer` for ``--metrics-port`` (None when not asked for)."""
-    return None if port is None else MetricsServer(host, port)
+def bind_metrics(host: str, port: int | None,
+                 ssl_context: ssl.SSLContext | None = None) -> MetricsServer | None:
+    """A bound :class:`MetricsServer` for ``--metrics-port`` (None when not asked for), over
+    TLS with ``ssl_context`` (``common.metrics.tls.metrics_ssl_context``)."""
+    return None if port is None else MetricsServer(host, port, ssl_context)
 
 
 def start_metrics(server: MetricsServer | None, registry: CollectorRegistry, prog: str) -> None:

@@ -11,11 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.auth import write_secret_file
 from common.channels import ChannelSecurity, make_channel
@@ -46,7 +50,7 @@ def cluster(pki, tmp_path_factory):
     write_secret_file(key_file, API_KEY)
     tls = ("--tls-cert", pki.server.cert, "--tls-key", pki.server.key, "--tls-ca", pki.ca)
     config = ClusterConfig(model="tiny", worker_args=WORKER_ARGS + tls,
-                           router_args=tls + ("--api-key-file", str(key_file)))
+                           router_args=tls + ("--api-key-file", str(key_file)), metrics=True)
     with Cluster(config) as cluster:
         yield cluster
 
@@ -116,6 +120,20 @@ def test_workers_need_a_certificate_and_the_token(cluster, pki):
     # the compose-style probe works on a TLS port when it is given the CA and a certificate
     assert check(decode.address, tls=certified)
     assert not check(decode.address)
+
+
+def test_every_metrics_port_serves_https_to_a_scraper_with_a_certificate(cluster, pki):
+    run_prompts(cluster, client(pki))
+    for proc in [*cluster.workers, cluster.router]:
+        url = f"https://{proc.metrics_address}/metrics"
+        trusted = ssl.create_default_context(cafile=pki.ca)
+        trusted.load_cert_chain(pki.client.cert, pki.client.key)
+        with urllib.request.urlopen(url, context=trusted, timeout=10) as reply:
+            names = {f.name for f in text_string_to_metric_families(reply.read().decode())}
+        assert any(n.startswith("flashsplit_") for n in names), (proc.name, names)
+        anonymous = ssl.create_default_context(cafile=pki.ca)  # no client certificate
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            urllib.request.urlopen(url, context=anonymous, timeout=10).read()
 
 
 def test_generate_cli_with_tls_and_api_key(cluster, pki):

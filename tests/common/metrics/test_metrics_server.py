@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import urllib.error
 import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from common.metrics.server import MetricsServer, check_metrics_port, exposition
+from common.metrics.server import MetricsServer, exposition
+from common.metrics.tls import metrics_ssl_context
 from tests.common.metrics.scrape import Scrape, scrape_url
+from tests.tls_certs import make_pki
 
 
 def registry_with(value: int) -> CollectorRegistry:
@@ -52,8 +55,53 @@ def test_exposition_speaks_prometheus_text_or_openmetrics_as_asked():
     assert body.decode().rstrip().endswith("# EOF")
 
 
-def test_a_metrics_port_beside_tls_is_refused():
-    with pytest.raises(ValueError, match="metrics over TLS are not done yet"):
-        check_metrics_port(0, "server.pem")
-    check_metrics_port(0, None)
-    check_metrics_port(None, "server.pem")  # no metrics port: nothing to refuse
+def _https_get(url: str, ca: str, client=None) -> bytes:
+    context = ssl.create_default_context(cafile=ca)
+    if client is not None:
+        context.load_cert_chain(client.cert, client.key)
+    with urllib.request.urlopen(url, context=context, timeout=5) as reply:
+        return reply.read()
+
+
+def test_with_the_service_certificate_it_serves_https(tmp_path):
+    pki = make_pki(tmp_path)
+    server = MetricsServer("127.0.0.1", 0,
+                           metrics_ssl_context(pki.server.cert, pki.server.key, None))
+    server.start(registry_with(5))
+    try:
+        assert server.scheme == "https"
+        body = _https_get(f"https://{server.address}/metrics", pki.ca)
+        assert Scrape(body.decode()).value("flashsplit_test_events_total") == 5
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plaintext beside it
+            urllib.request.urlopen(f"http://{server.address}/metrics", timeout=5).read()
+        # a failed handshake ends that connection only
+        assert _https_get(f"https://{server.address}/metrics", pki.ca) == body
+    finally:
+        server.stop()
+
+
+def test_with_a_ca_as_well_a_scraper_must_present_a_certificate_it_signed(tmp_path):
+    pki = make_pki(tmp_path)
+    server = MetricsServer("127.0.0.1", 0,
+                           metrics_ssl_context(pki.server.cert, pki.server.key, pki.ca))
+    server.start(registry_with(7))
+    url = f"https://{server.address}/metrics"
+    try:
+        body = _https_get(url, pki.ca, pki.client)
+        assert Scrape(body.decode()).value("flashsplit_test_events_total") == 7
+        for client in (None, pki.stranger):
+            with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+                _https_get(url, pki.ca, client)
+    finally:
+        server.stop()
+
+
+def test_tls_flags_that_cannot_work_are_errors_naming_them(tmp_path):
+    pki = make_pki(tmp_path)
+    assert metrics_ssl_context(None, None, pki.ca) is None  # no identity: plain HTTP
+    with pytest.raises(ValueError, match="--tls-cert and --tls-key must be given together"):
+        metrics_ssl_context(pki.server.cert, None, None)
+    with pytest.raises(ValueError, match="--tls-cert"):
+        metrics_ssl_context(pki.server.cert, pki.client.key, None)  # a key of another cert
+    with pytest.raises(ValueError, match="--tls-ca"):
+        metrics_ssl_context(pki.server.cert, pki.server.key, str(tmp_path / "missing.pem"))
