@@ -106,7 +106,10 @@ def config_from_args(args: argparse.Namespace,
         public=security.public_server(api_key_from(args, environ),
                                       client_cert=not args.public_no_client_cert),
         http=None if args.http_port is None else HttpConfig(
-            host=args.host, port=args.http_port, served_model_name=args.served_model_name),
+            host=args.host, port=args.http_port, served_model_name=args.served_model_name,
+            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+            require_client_cert=bool(args.tls_cert and args.tls_ca
+                                     and not args.public_no_client_cert)),
         limits=RequestLimits(max_prompt_tokens=args.max_prompt_tokens,
                              max_prompt_bytes=args.max_prompt_bytes,
                              max_message_bytes=args.max_message_bytes),
@@ -124,7 +127,8 @@ async def serve(config: RouterConfig) -> None:
     address = await router.start()
     if router.http_address is not None:
         # before the ready line, so whoever waits for that one knows both addresses
-        print(f"flashsplit-router serves OpenAI HTTP on http://{router.http_address}",
+        print(f"flashsplit-router serves OpenAI HTTP on {config.http.scheme}://"
+              f"{router.http_address}",
               flush=True)
     if router.metrics_address is not None:
         print(f"flashsplit-router metrics on {router.metrics_address}", flush=True)

@@ -33,7 +33,7 @@ from router.memory_shares import memory_shares
 
 _LISTENING = re.compile(r"^(\S+) listening on (\S+:\d+)\s*$")
 # the router's HTTP API (--http-port), announced before its ready line
-_HTTP_LISTENING = re.compile(r"^\S+ serves OpenAI HTTP on http://(\S+:\d+)\s*$")
+_HTTP_LISTENING = re.compile(r"^\S+ serves OpenAI HTTP on https?://(\S+:\d+)\s*$")
 # a process's Prometheus endpoint (--metrics-port), announced before its ready line
 _METRICS_LISTENING = re.compile(r"^\S+ metrics on (\S+:\d+)\s*$")
 # The directory holding the router package, so children import this checkout's code.

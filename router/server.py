@@ -223,11 +223,11 @@ class Router:
 
     async def start(self) -> str:
         """Bind, poll the workers once, serve; returns host:port (the bound port when 0)."""
-        if self.config.http is not None and self.config.public.tls is not None:
+        http = self.config.http
+        if http is not None and self.config.public.tls is not None and not http.tls_cert:
             # a plaintext HTTP port beside a TLS gRPC one would undo what TLS is there for
-            raise ValueError("the HTTP API does not serve TLS yet: leave out --http-port, or "
-                             "run this router without --tls-cert behind a TLS-terminating "
-                             "proxy")
+            raise ValueError("the router serves TLS on gRPC but its HTTP config has no "
+                             "certificate")
         server, self.health = make_server(
             [*self.config.public.interceptors(), self.shutdown.interceptor()],
             max_message_bytes=self.config.limits.max_message_bytes)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -55,9 +56,15 @@ class HttpServer:
 
     def __init__(self, app, config: HttpConfig, *, grace_s: float = 5.0) -> None:
         self.config = config
+        tls = {}
+        if config.tls_cert:
+            tls = dict(ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
+                       ssl_ca_certs=config.tls_ca,
+                       ssl_cert_reqs=ssl.CERT_REQUIRED if config.require_client_cert
+                       else ssl.CERT_NONE)
         self._server = _Server(uvicorn.Config(
             app, lifespan="off", access_log=False, log_level="warning",
-            timeout_graceful_shutdown=max(int(grace_s), 1)))
+            timeout_graceful_shutdown=max(int(grace_s), 1), **tls))
         self._task: asyncio.Task | None = None
         self.port = 0
 
@@ -77,7 +84,7 @@ class HttpServer:
                 self._task.result()  # raises what stopped it
                 raise OSError(f"the HTTP server on {self.address} stopped while starting")
             await asyncio.sleep(0.01)
-        log.info("HTTP API on http://%s", self.address)
+        log.info("HTTP API on %s://%s", self.config.scheme, self.address)
         return self.address
 
     async def stop(self) -> None:

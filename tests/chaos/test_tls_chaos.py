@@ -28,6 +28,7 @@ from common.model.load import load_model
 from common.pb.flashsplit.v1 import decode_pb2_grpc, types_pb2
 from common.sampling import SamplingParams
 from common.security import API_KEY_ENV
+from common.tokenizer import ByteTokenizer
 from common.tls import TlsFiles
 from router.cluster import Cluster, ClusterConfig
 from router.remote import generate, request_to_pb
@@ -50,7 +51,8 @@ def cluster(pki, tmp_path_factory):
     write_secret_file(key_file, API_KEY)
     tls = ("--tls-cert", pki.server.cert, "--tls-key", pki.server.key, "--tls-ca", pki.ca)
     config = ClusterConfig(model="tiny", worker_args=WORKER_ARGS + tls,
-                           router_args=tls + ("--api-key-file", str(key_file)), metrics=True)
+                           router_args=tls + ("--api-key-file", str(key_file)), metrics=True,
+                           router_http_port=0)
     with Cluster(config) as cluster:
         yield cluster
 
@@ -125,7 +127,8 @@ def test_workers_need_a_certificate_and_the_token(cluster, pki):
 def test_every_metrics_port_serves_https_to_a_scraper_with_a_certificate(cluster, pki):
     run_prompts(cluster, client(pki))
     for proc in [*cluster.workers, cluster.router]:
-        url = f"https://{proc.metrics_address}/metrics"
+        # the router's are on its HTTP API, which serves TLS as its gRPC port does
+        url = f"https://{proc.metrics_address or proc.http_address}/metrics"
         trusted = ssl.create_default_context(cafile=pki.ca)
         trusted.load_cert_chain(pki.client.cert, pki.client.key)
         with urllib.request.urlopen(url, context=trusted, timeout=10) as reply:
@@ -134,6 +137,33 @@ def test_every_metrics_port_serves_https_to_a_scraper_with_a_certificate(cluster
         anonymous = ssl.create_default_context(cafile=pki.ca)  # no client certificate
         with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
             urllib.request.urlopen(url, context=anonymous, timeout=10).read()
+
+
+def test_the_http_api_serves_https_with_the_key_and_a_client_certificate(cluster, pki):
+    url = f"https://{cluster.router.http_address}/v1/completions"
+    body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 10,
+                       "temperature": 0, "ignore_eos": True}).encode()
+
+    def post(cert: bool, key: str | None = API_KEY):
+        context = ssl.create_default_context(cafile=pki.ca)
+        if cert:
+            context.load_cert_chain(pki.client.cert, pki.client.key)
+        headers = {"content-type": "application/json"}
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        request = urllib.request.Request(url, data=body, headers=headers)
+        with urllib.request.urlopen(request, context=context, timeout=30) as reply:
+            return json.loads(reply.read())
+
+    (greedy,) = local_greedy(load_model("tiny"), PROMPTS[:1], GREEDY)
+    answer = post(cert=True)
+    assert answer["choices"][0]["text"] == ByteTokenizer().decode(greedy)
+    assert answer["usage"]["completion_tokens"] == len(greedy)
+    with pytest.raises(urllib.error.HTTPError) as no_key:
+        post(cert=True, key=None)
+    assert no_key.value.code == 401
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+        post(cert=False)
 
 
 def test_generate_cli_with_tls_and_api_key(cluster, pki):
