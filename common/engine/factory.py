@@ -43,6 +43,8 @@ class EngineSettings:
             ``--num-slots``), sized by ``common/engine/pool_sizing.py``; None for none.
         warmup: one of :data:`WARMUP_POLICIES`.
         progress: progress bars for weight loading and graph capture (terminals only).
+        tensor_parallel_size: ranks the model is sharded over; above 1, :func:`build_engine`
+            takes rank 0's group, and the followers load their shards when it does.
     """
 
     model: str
@@ -54,10 +56,19 @@ class EngineSettings:
     pools: PoolRequest | None = None
     warmup: str = "graphs"
     progress: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.warmup not in WARMUP_POLICIES:
             raise ValueError(f"warmup must be one of {WARMUP_POLICIES}, got {self.warmup!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            for what, value in (("a DFLASH draft", self.draft),
+                                ("pools sized by memory", self.pools)):
+                if value is not None:
+                    raise ValueError(f"{what} with tensor parallelism is not built yet")
 
 
 @dataclass(frozen=True)
@@ -79,11 +90,17 @@ class BuiltEngine:
     sizing: PoolSizing | None = None
 
 
-def build_engine(settings: EngineSettings) -> BuiltEngine:
+def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
     """Load the model (and draft), size the pools, build and warm up the engine.
 
+    ``tp``: rank 0's :class:`~common.parallel.group.TensorParallelGroup` when
+    ``settings.tensor_parallel_size`` is above 1 (``common/parallel/launch.py`` makes one); the
+    followers are told to load their shards first, so all ranks load at once.
+
     Raises SizingError (what to change) when ``settings.pools`` cannot fit, ValueError for a
-    kernel set whose libraries are missing, FileNotFoundError for a model that is not there.
+    kernel set whose libraries are missing or a group that does not match the settings,
+    ShardingError when the model does not split over the group, FileNotFoundError for a model
+    that is not there.
     """
     from common.engine.pool_sizing import check_fit, size_engine_pools
     from common.handoff.layout import model_fingerprint
@@ -91,9 +108,22 @@ def build_engine(settings: EngineSettings) -> BuiltEngine:
     from common.model.load import eos_token_ids_for, load_model, weights_identity
 
     config = settings.engine
+    world_size = 1 if tp is None else tp.world_size
+    if world_size != settings.tensor_parallel_size:
+        raise ValueError(f"the settings ask for tensor-parallel size "
+                         f"{settings.tensor_parallel_size}, the group given has {world_size}")
+    if world_size > 1:
+        from common.model.load import load_config
+        from common.parallel.followers import FollowerLink, ShardSettings
+        from common.parallel.shard_plan import ShardPlan
+
+        # the split is checked here, once, before any rank starts to load
+        ShardPlan.for_rank(load_config(settings.model), 0, world_size)
+        FollowerLink(tp).load(ShardSettings(settings.model, settings.dtype, settings.kernels,
+                                            config.cache))
     model = load_model(settings.model, dtype=settings.dtype, device=config.device,
                        kernels=select_kernel_set(settings.kernels, config.device),
-                       progress=settings.progress)
+                       progress=settings.progress, tp=tp)
     draft = load_draft(settings.draft, model) if settings.draft else None
     eos = eos_token_ids_for(settings.model, model.config)
     sizing = None

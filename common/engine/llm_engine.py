@@ -72,6 +72,13 @@ class LLMEngine:
         self.model = model
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids) or model.config.eos_token_ids
+        if model.tp.world_size > 1:
+            if not model.tp.is_leader:
+                raise ValueError(f"rank {model.tp.rank} of a tensor-parallel group follows "
+                                 "rank 0's engine; it does not run one")
+            if draft is not None:
+                raise ValueError("DFLASH with tensor parallelism is not built yet: run the "
+                                 "target without --draft, or at tensor-parallel size 1")
         self.kv_pool, self.state_pool = make_pools(model, config.cache, config.device)
         token_cap = self._graph_token_cap()
         graphs_on = self._graphs_apply(token_cap)
@@ -107,6 +114,10 @@ class LLMEngine:
         on_gpu = torch.device(config.device).type == "cuda"
         # a prefill worker never decodes: its requests leave after their first token
         if not graphs.enabled or config.hold_after_prefill or (graphs.capture and not on_gpu):
+            return False
+        if self.model.tp.world_size > 1:
+            log.warning("CUDA graphs (and overlap scheduling) are off: they are not built for "
+                        "tensor parallelism yet; decode runs eagerly")
             return False
         if graphs.capture and token_cap == 0:
             # an op reads the host at any size: no graph can replay it

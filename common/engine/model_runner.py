@@ -15,6 +15,9 @@ from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
 class ModelRunner:
     """Args:
         graphs: replays DECODE steps it serves from CUDA graphs; others run eagerly.
+
+    On rank 0 of a tensor-parallel model every forward is first sent to the followers
+    (``common/parallel/followers.py``), which run the same batch on their shards.
     """
 
     def __init__(self, model: HybridForCausalLM, kv_pool: KVPool, state_pool: GDNStatePool,
@@ -24,16 +27,39 @@ class ModelRunner:
         self.state_pool = state_pool
         self.device = torch.device(device)
         self.graphs = graphs
+        self.followers = None
+        if model.tp.world_size > 1:
+            from common.parallel.followers import FollowerLink
 
-    def build_batch(self, step: ScheduledStep, *, return_all_logits: bool = False) -> ForwardBatch:
+            if graphs is not None:
+                raise ValueError("CUDA graphs are not built for tensor parallelism yet: a "
+                                 "replay would not reach the followers")
+            self.followers = FollowerLink(model.tp)
+
+    def batch_args(self, step: ScheduledStep, *, return_all_logits: bool = False) -> dict:
+        """``ForwardBatch.build``'s arguments for ``step`` (all host values), less the device."""
         reqs = step.requests
-        return ForwardBatch.build(
+        return dict(
             mode=step.mode, token_ids=step.token_ids(),
             prefix_lens=[r.num_cached for r in reqs],
             page_ids=[r.page_ids[:self.kv_pool.pages_for(r.num_cached + n)]
                       for r, n in zip(reqs, step.num_new_tokens)],
             page_size=self.kv_pool.page_size, state_slots=[r.slot for r in reqs],
-            return_all_logits=return_all_logits, device=self.device)
+            return_all_logits=return_all_logits)
+
+    def build_batch(self, step: ScheduledStep, *, return_all_logits: bool = False) -> ForwardBatch:
+        return ForwardBatch.build(**self.batch_args(step, return_all_logits=return_all_logits),
+                                  device=self.device)
+
+    def forward(self, batch_args: dict, *, after_layer=None) -> tuple[ModelOutput, ForwardBatch]:
+        """One eager forward of the batch ``ForwardBatch.build(**batch_args)`` over the pools
+        (sent to the followers first, once the build has accepted it)."""
+        batch = ForwardBatch.build(**batch_args, device=self.device)
+        if self.followers is not None:
+            self.followers.forward(batch_args)
+        out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool,
+                         after_layer=after_layer)
+        return out, batch
 
     def run(self, step: ScheduledStep, *, return_all_logits: bool = False,
             after_layer=None) -> tuple[ModelOutput, ForwardBatch]:
@@ -43,9 +69,8 @@ class ModelRunner:
                 and not return_all_logits and self.graphs.serves(len(step.requests))):
             out, batch = self.graphs.run(step.requests, step.token_ids())
         else:
-            batch = self.build_batch(step, return_all_logits=return_all_logits)
-            out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool,
-                             after_layer=after_layer)
+            out, batch = self.forward(self.batch_args(step, return_all_logits=return_all_logits),
+                                      after_layer=after_layer)
         for r, n in zip(step.requests, step.num_new_tokens):
             r.num_cached += n
         return out, batch

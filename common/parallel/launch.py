@@ -1,0 +1,124 @@
+"""A tensor-parallel group of processes on this host: this process is rank 0, and the
+followers are spawned processes that run :class:`~common.parallel.followers.Follower`.
+
+The rendezvous store listens on a port the system picks when rank 0 makes it, and the followers
+are told that port when they start, so nothing chooses a port by guessing and two groups on one
+host never collide.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+
+from common.parallel.followers import Follower, FollowerLink
+from common.parallel.group import (DEFAULT_TIMEOUT_S, TensorParallelGroup, connect,
+                                   leader_store)
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 30.0
+
+
+def rank_devices(device: str, world_size: int) -> list[str]:
+    """One device per rank: ``cpu`` for all of them, or ``cuda:k+r`` from ``cuda`` /
+    ``cuda:k`` (consecutive GPUs), or a comma-separated list of one device per rank."""
+    devices = [d.strip() for d in device.split(",") if d.strip()]
+    if len(devices) > 1:
+        if len(devices) != world_size:
+            raise ValueError(f"{len(devices)} devices given for {world_size} ranks")
+        return devices
+    (one,) = devices or ["cpu"]
+    if one == "cpu":
+        return ["cpu"] * world_size
+    if one.startswith("cuda"):
+        first = int(one.split(":", 1)[1]) if ":" in one else 0
+        return [f"cuda:{first + r}" for r in range(world_size)]
+    raise ValueError(f"device {one!r} is neither cpu nor cuda[:N]")
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    """Threads each rank of a CPU group uses: the host's cores shared evenly."""
+    import os
+
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _follow(rank: int, world_size: int, port: int, device: str, timeout_s: float) -> None:
+    """A follower process's body."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    else:
+        # the ranks share the host's cores: more threads than that would only wait for each
+        # other inside every small op and every collective
+        torch.set_num_threads(cpu_threads_per_rank(world_size))
+    tp = connect(rank, world_size, port=port, device=device, timeout_s=timeout_s)
+    Follower(tp, device).run()
+
+
+class LocalGroup:
+    """``with LocalGroup(N, device) as tp:`` rank 0's group, its N-1 followers started and
+    joined; on leaving, the followers are told to stop and are waited for (and ended if they
+    do not stop).
+
+    Args:
+        world_size: ranks, this process included.
+        device: as :func:`rank_devices` takes it; this process gets the first.
+        timeout_s: how long any collective (and the rendezvous) may wait for a rank.
+    """
+
+    def __init__(self, world_size: int, device: str = "cpu", *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if world_size < 1:
+            raise ValueError(f"a group needs at least one rank, got {world_size}")
+        self.world_size = world_size
+        self.devices = rank_devices(device, world_size)
+        self.timeout_s = timeout_s
+        self.processes: list[multiprocessing.Process] = []
+        self.tp: TensorParallelGroup | None = None
+
+    @property
+    def device(self) -> str:
+        """Rank 0's device."""
+        return self.devices[0]
+
+    def __enter__(self) -> TensorParallelGroup:
+        if self.world_size == 1:
+            self.tp = TensorParallelGroup.single()
+            return self.tp
+        store = leader_store(self.world_size, timeout_s=self.timeout_s)
+        context = multiprocessing.get_context("spawn")  # fork would copy torch's threads
+        for rank in range(1, self.world_size):
+            process = context.Process(
+                target=_follow, name=f"flashsplit-tp-rank{rank}", daemon=True,
+                args=(rank, self.world_size, store.port, self.devices[rank], self.timeout_s))
+            process.start()
+            self.processes.append(process)
+        try:
+            self.tp = connect(0, self.world_size, store=store, device=self.device,
+                              timeout_s=self.timeout_s)
+        except BaseException:
+            self._end_followers()
+            raise
+        return self.tp
+
+    def __exit__(self, *exc) -> None:
+        if self.tp is not None and self.tp.world_size > 1:
+            if all(p.is_alive() for p in self.processes):
+                try:
+                    FollowerLink(self.tp).stop()
+                except RuntimeError:  # a follower went away while being told
+                    log.warning("a follower left before it was told to stop")
+            self._end_followers()
+        self.tp = None
+
+    def _end_followers(self) -> None:
+        for p in self.processes:
+            p.join(JOIN_TIMEOUT_S)
+            if p.is_alive():
+                log.warning("follower %s did not stop; ending it", p.name)
+                p.terminate()
+                p.join()
+        self.processes = []
