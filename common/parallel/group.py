@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,10 +102,12 @@ def leader_store(world_size: int, host: str = "127.0.0.1",
 
 def connect(rank: int, world_size: int, *, store: dist.Store | None = None,
             host: str = "127.0.0.1", port: int | None = None, device: str = "cpu",
-            timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
+            timeout_s: float = DEFAULT_TIMEOUT_S,
+            on_store: Callable[[dist.Store], None] | None = None) -> TensorParallelGroup:
     """Join the group: rank 0 passes its :func:`leader_store`, the others the store's host and
     port. ``device``: where the layers' tensors live (a CUDA device gets an NCCL device group
-    beside the gloo one).
+    beside the gloo one). ``on_store``: called with the store once it is reached, before the
+    process groups' rendezvous.
 
     Raises ValueError for an impossible rank or a follower without an address.
     """
@@ -117,6 +120,8 @@ def connect(rank: int, world_size: int, *, store: dist.Store | None = None,
         if port is None:
             raise ValueError("a follower needs the leader store's port")
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if on_store is not None:
+        on_store(store)
     # each group keys its rendezvous under its own prefix of the one store
     cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, world_size, timeout)
     device_group = cpu_group

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import time
 
 from common.parallel.followers import Follower, FollowerLink
 from common.parallel.group import (DEFAULT_TIMEOUT_S, TensorParallelGroup, connect,
@@ -18,6 +19,8 @@ from common.parallel.group import (DEFAULT_TIMEOUT_S, TensorParallelGroup, conne
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 30.0
+STARTED_KEY = "started/"  # a follower sets started/<rank> once it has imported and connected
+POLL_S = 0.05
 
 
 def rank_devices(device: str, world_size: int) -> list[str]:
@@ -54,7 +57,8 @@ def _follow(rank: int, world_size: int, port: int, device: str, timeout_s: float
         # the ranks share the host's cores: more threads than that would only wait for each
         # other inside every small op and every collective
         torch.set_num_threads(cpu_threads_per_rank(world_size))
-    tp = connect(rank, world_size, port=port, device=device, timeout_s=timeout_s)
+    tp = connect(rank, world_size, port=port, device=device, timeout_s=timeout_s,
+                 on_store=lambda store: store.set(f"{STARTED_KEY}{rank}", "1"))
     Follower(tp, device).run()
 
 
@@ -97,12 +101,27 @@ class LocalGroup:
             process.start()
             self.processes.append(process)
         try:
+            self._wait_for_followers(store)
             self.tp = connect(0, self.world_size, store=store, device=self.device,
                               timeout_s=self.timeout_s)
         except BaseException:
             self._end_followers()
             raise
         return self.tp
+
+    def _wait_for_followers(self, store) -> None:
+        """Until every follower has started; a follower that exits first is an error now,
+        not a rendezvous that waits out its timeout."""
+        keys = [f"{STARTED_KEY}{rank}" for rank in range(1, self.world_size)]
+        deadline = time.monotonic() + self.timeout_s
+        while not store.check(keys):
+            dead = [p for p in self.processes if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"tensor-parallel follower {dead[0].name} exited with code "
+                                   f"{dead[0].exitcode} before it joined the group")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the followers did not start within {self.timeout_s} s")
+            time.sleep(POLL_S)
 
     def __exit__(self, *exc) -> None:
         if self.tp is not None and self.tp.world_size > 1:
