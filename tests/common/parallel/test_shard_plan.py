@@ -1,4 +1,4 @@
-"""common/parallel/shard_plan.py: which heads, columns and rows each rank holds, and the refusals."""
+"""common/parallel/shard_plan.py: which heads, columns and rows each rank holds; the refusals."""
 
 from __future__ import annotations
 

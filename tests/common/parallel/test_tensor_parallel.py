@@ -24,11 +24,12 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True, log
 CACHE = CacheConfig(page_size=4, num_pages=96, num_slots=5)
 
 
-def build(path, tp=None):
+def build(path, tp=None, device: str = "cpu"):
     from common.engine.scheduler import SchedulerConfig
 
     world = 1 if tp is None else tp.world_size
-    engine = EngineConfig(cache=CACHE, scheduler=SchedulerConfig(max_prefill_tokens=8))
+    engine = EngineConfig(cache=CACHE, scheduler=SchedulerConfig(max_prefill_tokens=8),
+                          device=device)
     return build_engine(EngineSettings(model=str(path), engine=engine,
                                        tensor_parallel_size=world), tp=tp).engine
 
