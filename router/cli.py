@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tp", type=int, default=1, metavar="N",
                      help="in process: shard the model over N processes (tensor parallelism; "
                           "one device each: --device cuda gives cuda:0..N-1, the CPU is shared)")
+    gen.add_argument("--expert-parallel", action="store_true",
+                     help="with --tp: place a MoE model's routed experts whole on the ranks "
+                          "(default: each expert's matrices split over them)")
     add_client_args(gen.add_argument_group("with --router: the router port's API key and TLS"))
 
     up = sub.add_parser("up", help="start prefill and decode workers and a router on this host",
@@ -214,12 +217,15 @@ def run_local(args: argparse.Namespace, prompts: list[list[int]],
     settings = EngineSettings(model=args.model, draft=args.draft, block_size=args.block_size,
                               dtype=dtype_from_args(args), kernels=args.kernels,
                               engine=EngineConfig(device=group.device, cuda_graph=graphs),
-                              progress=True, tensor_parallel_size=args.tp)  # a bar on terminals
+                              progress=True, tensor_parallel_size=args.tp,  # a bar on terminals
+                              expert_parallel=args.expert_parallel)
     if args.tp > 1:
         from common.model.load import load_config
         from common.parallel.shard_plan import ShardPlan
 
-        ShardPlan.for_rank(load_config(args.model), 0, args.tp)  # refused before any start
+        # refused before any process starts
+        ShardPlan.for_rank(load_config(args.model), 0, args.tp,
+                           expert_parallel=args.expert_parallel)
     import torch
 
     threads = torch.get_num_threads()

@@ -45,6 +45,8 @@ class EngineSettings:
         progress: progress bars for weight loading and graph capture (terminals only).
         tensor_parallel_size: ranks the model is sharded over; above 1, :func:`build_engine`
             takes rank 0's group, and the followers load their shards when it does.
+        expert_parallel: place a MoE model's routed experts whole on the ranks, instead of
+            splitting each expert's matrices over them.
     """
 
     model: str
@@ -57,6 +59,7 @@ class EngineSettings:
     warmup: str = "graphs"
     progress: bool = False
     tensor_parallel_size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.warmup not in WARMUP_POLICIES:
@@ -118,12 +121,14 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
         from common.parallel.shard_plan import ShardPlan
 
         # the split is checked here, once, before any rank starts to load
-        ShardPlan.for_rank(load_config(settings.model), 0, world_size)
+        ShardPlan.for_rank(load_config(settings.model), 0, world_size,
+                           expert_parallel=settings.expert_parallel)
         FollowerLink(tp).load(ShardSettings(settings.model, settings.dtype, settings.kernels,
-                                            config.cache))
+                                            config.cache, settings.expert_parallel))
     model = load_model(settings.model, dtype=settings.dtype, device=config.device,
                        kernels=select_kernel_set(settings.kernels, config.device),
-                       progress=settings.progress, tp=tp)
+                       progress=settings.progress, tp=tp,
+                       expert_parallel=settings.expert_parallel)
     draft = load_draft(settings.draft, model) if settings.draft else None
     eos = eos_token_ids_for(settings.model, model.config)
     sizing = None

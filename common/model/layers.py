@@ -330,9 +330,10 @@ class SparseMoE(nn.Module):
     """Softmax top-k routed experts plus a sigmoid-gated shared expert.
 
     Sharded inside each expert (``plan.moe``, ``plan.shared_expert``): every rank holds every
-    expert's columns of its part of the intermediate size, and the whole router, so routing is
-    the same computation on every rank; the block's output (routed plus shared, each a partial
-    sum) is completed by one all-reduce."""
+    expert's columns of its part of the intermediate size; or, expert-parallel, whole experts
+    ``plan.experts``. Either way every rank holds the whole router, so routing is the same
+    computation on every rank, and the block's output (routed plus shared, each a partial sum)
+    is completed by one all-reduce."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, *, plan: ShardPlan,
                  tp: TensorParallelGroup) -> None:
@@ -342,7 +343,10 @@ class SparseMoE(nn.Module):
         self.top_k = c.num_experts_per_tok
         self.norm_topk_prob = c.norm_topk_prob
         self.gate = Linear(c.hidden_size, c.num_experts, dtype)
-        self.experts = PackedExperts(c.num_experts, c.hidden_size, len(plan.moe), dtype)
+        self.experts = PackedExperts(len(plan.experts), c.hidden_size, len(plan.moe), dtype)
+        # only an expert-parallel shard passes the offset, so every other call is unchanged
+        self.expert_offset = ({"expert_offset": plan.experts.start}
+                              if plan.is_expert_parallel else {})
         self.has_shared_expert = c.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
             # no all-reduce of its own: its partial sum joins the block's one
@@ -359,4 +363,4 @@ class SparseMoE(nn.Module):
         return self.tp.all_reduce(kernels.sparse_moe(
             x=x, router_weight=self.gate.weight, experts_gate_up=self.experts.gate_up_proj,
             experts_down=self.experts.down_proj, top_k=self.top_k,
-            norm_topk_prob=self.norm_topk_prob, **shared))
+            norm_topk_prob=self.norm_topk_prob, **shared, **self.expert_offset))

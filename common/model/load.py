@@ -25,18 +25,20 @@ def load_config(name_or_path: str) -> ModelConfig:
 
 def load_model(name_or_path: str, *, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu", kernels: Kernels | None = None,
-               progress: bool = False, tp: TensorParallelGroup | None = None
-               ) -> HybridForCausalLM:
+               progress: bool = False, tp: TensorParallelGroup | None = None,
+               expert_parallel: bool = False) -> HybridForCausalLM:
     """Build the model on ``device`` and fill its weights (streamed, one tensor at a time).
 
     ``tp``: this rank's tensor-parallel group; the model then holds and reads only its shard
-    (ShardingError, before anything is read, when the group's size does not fit the model)."""
+    (ShardingError, before anything is read, when the group's size does not fit the model);
+    ``expert_parallel``: whole routed experts per rank (``ShardPlan``)."""
     name_or_path = resolve_model(name_or_path)
     config = load_config(name_or_path)
     if name_or_path != TINY_NAME and not Path(name_or_path).is_dir():
         raise FileNotFoundError(f"model {name_or_path!r} is neither 'tiny' nor a directory")
     with torch.device(device):
-        model = model_class_for(config)(config, dtype=dtype, kernels=kernels, tp=tp)
+        model = model_class_for(config)(config, dtype=dtype, kernels=kernels, tp=tp,
+                                        expert_parallel=expert_parallel)
     params = dict(model.named_parameters())
     plan = model.shard_plan
     if name_or_path != TINY_NAME:

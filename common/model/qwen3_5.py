@@ -157,14 +157,16 @@ class HybridForCausalLM(nn.Module):
     A family's subclass names the one ``ModelConfig.model_type`` it serves in ``model_types``.
 
     ``tp``: the tensor-parallel group this rank belongs to (None: world size 1); the model then
-    holds ``shard_plan``'s part of every weight. Raises ShardingError when the group's size does
-    not divide what it must.
+    holds ``shard_plan``'s part of every weight. ``expert_parallel``: its routed experts are
+    placed whole on the ranks instead of split inside each (the reference MoE op only). Raises
+    ShardingError when the group's size does not divide what it must.
     """
 
     model_types: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
-                 kernels: Kernels | None = None, tp: TensorParallelGroup | None = None) -> None:
+                 kernels: Kernels | None = None, tp: TensorParallelGroup | None = None,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         if config.model_type not in self.model_types:
             raise ValueError(f"{type(self).__name__} serves {self.model_types}, "
@@ -174,7 +176,12 @@ class HybridForCausalLM(nn.Module):
         self.dtype = dtype
         self.kernels = kernels or Kernels.select()
         self.tp = tp or TensorParallelGroup.single()
-        self.shard_plan = ShardPlan.for_rank(config, self.tp.rank, self.tp.world_size)
+        self.shard_plan = ShardPlan.for_rank(config, self.tp.rank, self.tp.world_size,
+                                             expert_parallel=expert_parallel)
+        moe_backend = dict(self.kernels.backends).get("sparse_moe", "reference")
+        if self.shard_plan.is_expert_parallel and moe_backend != "reference":
+            raise ValueError(f"expert parallelism runs on the reference MoE op, not "
+                             f"{moe_backend!r}")
         self.model = HybridModel(config, dtype, plan=self.shard_plan, tp=self.tp)
         # tied checkpoints have no head of their own: get_output_weight() returns the embedding
         if not config.tie_word_embeddings:

@@ -72,13 +72,19 @@ def per_expert_slices(name: str, shape: tuple[int, ...], config: ModelConfig,
                       plan: ShardPlan) -> list[WeightPiece] | None:
     """``…mlp.experts.{e}.gate_proj|up_proj|down_proj.weight`` into the packed experts:
     gate → ``gate_up_proj[e, :I]``, up → ``gate_up_proj[e, I:]``, down → ``down_proj[e]``
-    (``I``: this rank's columns, ``plan.moe``: rows of gate and up, columns of down)."""
+    (``I``: this rank's columns, ``plan.moe``: rows of gate and up, columns of down). With
+    expert parallelism a rank reads only its own experts, whole, into its local index
+    ``e - plan.experts.start``; another rank's expert fills nothing here and is not read."""
     m = _PER_EXPERT.match(name)
     if m is None:
         return None
     base, e, proj = m.group(1), int(m.group(2)), m.group(3)
     read = read_all
-    if plan.is_sharded:
+    if plan.is_expert_parallel:
+        if e not in plan.experts:
+            return []
+        e -= plan.experts.start
+    elif plan.is_sharded:
         # a rank reads only its columns: check the full size first, or a wrong-sized expert
         # would load a wrong part silently
         inter, hidden = config.moe_intermediate_size, config.hidden_size

@@ -31,12 +31,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ShardSettings:
     """What a follower builds its shard from (rank 0's engine settings, less what only rank 0
-    uses). ``kernels``: a kernel set name (``--kernels``) or None for the model's default."""
+    uses). ``kernels``: a kernel set name (``--kernels``) or None for the model's default;
+    ``expert_parallel``: whole routed experts per rank."""
 
     model: str
     dtype: torch.dtype | None
     kernels: str | None
     cache: CacheConfig
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class Follower:
         self.model = self.kv_pool = self.state_pool = None  # the old shard goes first
         self.model = load_model(settings.model, dtype=settings.dtype, device=self.device,
                                 kernels=select_kernel_set(settings.kernels, self.device),
-                                tp=self.tp)
+                                tp=self.tp, expert_parallel=settings.expert_parallel)
         self.kv_pool, self.state_pool = make_pools(self.model, settings.cache, self.device)
 
     def forward(self, batch_args: dict) -> None:

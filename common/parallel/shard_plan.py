@@ -6,6 +6,10 @@ parameter names (docs/architecture.md) the ranges of the full tensor that rank h
 (:meth:`ShardPlan.ranges_of`). The model sizes its layers from it, the loader reads exactly those
 ranges from safetensors, and the pools size their heads from it.
 
+Routed experts are split one of two ways: inside each expert (every rank holds every expert's
+part of the intermediate size), or, with ``expert_parallel``, whole experts per rank (each
+rank holds ``num_experts / world_size`` of them).
+
 Heads come in groups: attention query heads share a KV head (GQA), GDN value heads share a key
 head. Query (value) heads are split evenly; KV (key) heads are split when there are at least as
 many as ranks, and otherwise each rank keeps the one its query heads read, replicated on the
@@ -90,7 +94,9 @@ class ShardPlan:
         attention: query heads and KV heads of every full-attention layer.
         gdn: value heads and key heads of every GDN layer.
         mlp: columns of the dense MLP's intermediate size.
-        moe: columns of every routed expert's intermediate size (each expert is split).
+        experts: the routed experts this rank holds (all of them unless expert-parallel).
+        moe: columns of the intermediate size of each expert it holds (all of them when
+            expert-parallel).
         shared_expert: columns of the shared expert's intermediate size.
         vocab: rows of the embedding and the LM head.
     """
@@ -101,18 +107,32 @@ class ShardPlan:
     attention: HeadShard
     gdn: HeadShard
     mlp: range
+    experts: range
     moe: range
     shared_expert: range
     vocab: range
 
     @classmethod
-    def for_rank(cls, config: ModelConfig, rank: int = 0, world_size: int = 1) -> "ShardPlan":
-        """Raises ShardingError when ``world_size`` does not divide what it must."""
+    def for_rank(cls, config: ModelConfig, rank: int = 0, world_size: int = 1, *,
+                 expert_parallel: bool = False) -> "ShardPlan":
+        """``expert_parallel``: whole routed experts per rank instead of a part of each.
+        Raises ShardingError when ``world_size`` does not divide what it must, ValueError for
+        expert parallelism on a model without experts."""
         c, n = config, world_size
         if not 0 <= rank < n:
             raise ValueError(f"rank {rank} is not in a group of {n}")
         has_dense = any(not c.is_moe_layer(i) for i in range(c.num_hidden_layers))
         has_moe = any(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+        if expert_parallel and not has_moe:
+            raise ValueError(f"expert parallelism needs routed experts; this {c.model_type} "
+                             "model has none")
+        if expert_parallel:
+            experts = split_evenly("num_experts", c.num_experts, rank, n)
+            moe = range(c.moe_intermediate_size)
+        else:
+            experts = range(c.num_experts)
+            moe = split_evenly("moe_intermediate_size", c.moe_intermediate_size if has_moe else 0,
+                               rank, n)
         return cls(
             config=c, rank=rank, world_size=n,
             attention=shard_heads("attention", c.num_attention_heads, c.num_key_value_heads,
@@ -120,8 +140,7 @@ class ShardPlan:
             gdn=shard_heads("GDN", c.linear_num_value_heads, c.linear_num_key_heads, rank, n),
             mlp=split_evenly("intermediate_size", c.intermediate_size if has_dense else 0,
                              rank, n),
-            moe=split_evenly("moe_intermediate_size", c.moe_intermediate_size if has_moe else 0,
-                             rank, n),
+            experts=experts, moe=moe,
             shared_expert=split_evenly(
                 "shared_expert_intermediate_size",
                 c.shared_expert_intermediate_size if has_moe else 0, rank, n),
@@ -130,6 +149,10 @@ class ShardPlan:
     @property
     def is_sharded(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def is_expert_parallel(self) -> bool:
+        return len(self.experts) < self.config.num_experts
 
     # local sizes
     @property
@@ -183,6 +206,8 @@ class ShardPlan:
                 return per_head
             return table.get(owner)
         if ".mlp.experts." in param:
+            if self.is_expert_parallel:  # [E, ...]: this rank's experts, whole
+                return 0, ((self.experts.start, self.experts.stop),)
             moe, inter = self.moe, c.moe_intermediate_size
             if name == "gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
                 return 1, ((moe.start, moe.stop), (inter + moe.start, inter + moe.stop))

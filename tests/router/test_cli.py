@@ -83,5 +83,7 @@ def test_generate_with_tensor_parallelism_gives_the_same_tokens(capsys):
 def test_a_tensor_parallel_size_that_does_not_divide_is_an_error(capsys):
     assert main(["generate", "--prompt-ids", "1", "--tp", "3"]) == 2
     assert "cannot be split over 3 ranks" in capsys.readouterr().err
+    assert main(["generate", "--prompt-ids", "1", "--tp", "2", "--expert-parallel"]) == 2
+    assert "expert parallelism needs routed experts" in capsys.readouterr().err
     assert main(["generate", "--router", "127.0.0.1:1", "--prompt", "Hi", "--tp", "2"]) == 2
     assert "--tp is for in-process generation" in capsys.readouterr().err

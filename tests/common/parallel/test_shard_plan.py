@@ -102,3 +102,21 @@ def test_every_rank_part_has_its_parameter_shape_and_split_parts_tile_the_whole(
             assert set(seen.unique().tolist()) == set(full.unique().tolist()), name
         else:
             assert torch.equal(seen.sort(dim=dim).values, full.sort(dim=dim).values), name
+
+
+def test_expert_parallel_places_whole_experts():
+    config = replace(tiny_config(), num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                     decoder_sparse_step=1)
+    plans = [ShardPlan.for_rank(config, r, 4, expert_parallel=True) for r in range(4)]
+    assert [p.experts for p in plans] == [range(2 * r, 2 * r + 2) for r in range(4)]
+    assert all(p.moe == range(32) and p.is_expert_parallel for p in plans)
+    assert plans[1].ranges_of("model.layers.0.mlp.experts.down_proj") == (0, ((2, 4),))
+    # the shared expert is still split by columns
+    assert plans[1].shared_expert == range(12, 24)
+    split = ShardPlan.for_rank(config, 1, 4)
+    assert split.experts == range(8) and split.moe == range(8, 16)
+    with pytest.raises(ShardingError, match=r"num_experts \(8\) cannot be split over 16"):
+        ShardPlan.for_rank(config, 0, 16, expert_parallel=True)
+    with pytest.raises(ValueError, match="needs routed experts"):
+        ShardPlan.for_rank(tiny_config(), 0, 2, expert_parallel=True)

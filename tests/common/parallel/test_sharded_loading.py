@@ -43,14 +43,16 @@ class CountingSlice:
         return out
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_each_rank_holds_its_part_of_the_full_model(checkpoints, kind):
+@pytest.mark.parametrize("kind, expert_parallel", [
+    *((kind, False) for kind in KINDS), ("qwen3_next", True), ("qwen3_5_moe_text", True)])
+def test_each_rank_holds_its_part_of_the_full_model(checkpoints, kind, expert_parallel):
     path = checkpoints[kind]
     config = read_model_config(path)
     full = dict(load_model(str(path)).named_parameters())
     for world in (2, 4):
         for rank in range(world):
-            model = model_class_for(config)(config, tp=rank_of(rank, world))
+            model = model_class_for(config)(config, tp=rank_of(rank, world),
+                                            expert_parallel=expert_parallel)
             params = dict(model.named_parameters())
             loader.load_weights(params, path, config, plan=model.shard_plan)
             for name, p in params.items():

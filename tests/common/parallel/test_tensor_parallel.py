@@ -1,6 +1,7 @@
 """Tensor parallelism end to end on the CPU: a gloo group of 2 and of 4 processes on 127.0.0.1
 (this process is rank 0, the followers are spawned) gives the single-process model's logits to
-fp32 rounding and its greedy tokens exactly, for every checkpoint kind.
+fp32 rounding and its greedy tokens exactly, for every checkpoint kind, and for the MoE kinds
+with experts split inside each expert and placed whole (expert parallelism).
 
 One group per size serves every kind in turn (a follower loads each model when rank 0 does), so
 the processes start twice in all.
@@ -18,20 +19,21 @@ from common.parallel.launch import LocalGroup
 from common.sampling import SamplingParams
 from tests.common.model.checkpoints import KINDS, make_checkpoint
 
+MOE_KINDS = ("qwen3_5_moe_text", "qwen3_next")
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [7] * 6]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True, logprobs=0)
 # page size 4 and a prefill budget of 8 tokens: prompts span pages and are prefilled in chunks
 CACHE = CacheConfig(page_size=4, num_pages=96, num_slots=5)
 
 
-def build(path, tp=None, device: str = "cpu"):
+def build(path, tp=None, device: str = "cpu", expert_parallel: bool = False):
     from common.engine.scheduler import SchedulerConfig
 
     world = 1 if tp is None else tp.world_size
     engine = EngineConfig(cache=CACHE, scheduler=SchedulerConfig(max_prefill_tokens=8),
                           device=device)
-    return build_engine(EngineSettings(model=str(path), engine=engine,
-                                       tensor_parallel_size=world), tp=tp).engine
+    return build_engine(EngineSettings(model=str(path), engine=engine, tensor_parallel_size=world,
+                                       expert_parallel=expert_parallel), tp=tp).engine
 
 
 def prompt_logits(engine, prompt: list[int]) -> torch.Tensor:
@@ -84,13 +86,17 @@ def test_sharded_model_matches_single_process(checkpoints, single, one_thread, w
                                               record_metric):
     with LocalGroup(world_size, timeout_s=120) as tp:
         for kind, path in checkpoints.items():
-            logits, tokens, logprobs = outputs(build(path, tp))
-            want_logits, want_tokens, want_logprobs = single[kind]
-            assert tokens == want_tokens, kind
-            for got, want in zip(logits, want_logits):
-                # only the sums of the all-reduces differ in order: fp32 rounding
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            record_metric(f"{kind} max |logit diff|",
-                          max((g - w).abs().max().item() for g, w in zip(logits, want_logits)))
-            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
-                                       rtol=1e-5, atol=1e-5)
+            for expert_parallel in (False, True) if kind in MOE_KINDS else (False,):
+                logits, tokens, logprobs = outputs(build(path, tp,
+                                                         expert_parallel=expert_parallel))
+                want_logits, want_tokens, want_logprobs = single[kind]
+                case = f"{kind}{' expert-parallel' if expert_parallel else ''}"
+                assert tokens == want_tokens, case
+                for got, want in zip(logits, want_logits):
+                    # only the sums of the all-reduces differ in order: fp32 rounding
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                record_metric(f"{case} max |logit diff|",
+                              max((g - w).abs().max().item()
+                                  for g, w in zip(logits, want_logits)))
+                torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs),
+                                           rtol=1e-5, atol=1e-5)
