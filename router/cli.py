@@ -205,7 +205,7 @@ def run_local(args: argparse.Namespace, prompts: list[list[int]],
     from common.engine.llm_engine import EngineConfig
     from common.worker_args import dtype_from_args
 
-    from common.parallel.launch import LocalGroup, cpu_threads_per_rank
+    from common.parallel.launch import LocalGroup
 
     if speculative_choice(args) and not args.draft:
         raise ValueError("--speculative on needs --draft")
@@ -226,19 +226,11 @@ def run_local(args: argparse.Namespace, prompts: list[list[int]],
         # refused before any process starts
         ShardPlan.for_rank(load_config(args.model), 0, args.tp,
                            expert_parallel=args.expert_parallel)
-    import torch
-
-    threads = torch.get_num_threads()
-    if args.tp > 1 and group.device == "cpu":
-        torch.set_num_threads(cpu_threads_per_rank(args.tp))  # the ranks share the cores
-    try:
-        with group as tp:
-            engine = build_engine(settings, tp=tp if args.tp > 1 else None).engine
-            start = time.perf_counter()
-            reqs = engine.generate(prompts, params)
-            return reqs, time.perf_counter() - start
-    finally:
-        torch.set_num_threads(threads)
+    with group as tp:
+        engine = build_engine(settings, tp=tp if args.tp > 1 else None).engine
+        start = time.perf_counter()
+        reqs = engine.generate(prompts, params)
+        return reqs, time.perf_counter() - start
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -126,8 +126,11 @@ def connect(rank: int, world_size: int, *, store: dist.Store | None = None,
     cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, world_size, timeout)
     device_group = cpu_group
     if torch.device(device).type == "cuda":
+        # the options init_process_group would give a group of these ranks
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
+        options.is_high_priority_stream = False
+        options.global_ranks_in_group = list(range(world_size))
         device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size,
                                              options)
     return TensorParallelGroup(rank, world_size, device_group, cpu_group)

@@ -65,7 +65,8 @@ def _follow(rank: int, world_size: int, port: int, device: str, timeout_s: float
 class LocalGroup:
     """``with LocalGroup(N, device) as tp:`` rank 0's group, its N-1 followers started and
     joined; on leaving, the followers are told to stop and are waited for (and ended if they
-    do not stop).
+    do not stop). Inside, this process runs as rank 0: on the CPU with its share of the cores
+    (``cpu_threads_per_rank``), on a GPU with its device current; both are restored on leaving.
 
     Args:
         world_size: ranks, this process included.
@@ -82,6 +83,7 @@ class LocalGroup:
         self.timeout_s = timeout_s
         self.processes: list[multiprocessing.Process] = []
         self.tp: TensorParallelGroup | None = None
+        self._restore = None  # how to put this process's threads or device back
 
     @property
     def device(self) -> str:
@@ -92,6 +94,7 @@ class LocalGroup:
         if self.world_size == 1:
             self.tp = TensorParallelGroup.single()
             return self.tp
+        self._become_rank_zero()
         store = leader_store(self.world_size, timeout_s=self.timeout_s)
         context = multiprocessing.get_context("spawn")  # fork would copy torch's threads
         for rank in range(1, self.world_size):
@@ -106,8 +109,22 @@ class LocalGroup:
                               timeout_s=self.timeout_s)
         except BaseException:
             self._end_followers()
+            self._restore()
             raise
         return self.tp
+
+    def _become_rank_zero(self) -> None:
+        import torch
+
+        if self.device == "cpu":
+            threads = torch.get_num_threads()
+            # the ranks share the host's cores (see _follow)
+            torch.set_num_threads(cpu_threads_per_rank(self.world_size))
+            self._restore = lambda: torch.set_num_threads(threads)
+        else:
+            current = torch.cuda.current_device()
+            torch.cuda.set_device(self.device)  # rank 0's collectives run on its own GPU
+            self._restore = lambda: torch.cuda.set_device(current)
 
     def _wait_for_followers(self, store) -> None:
         """Until every follower has started; a follower that exits first is an error now,
@@ -131,6 +148,7 @@ class LocalGroup:
                 except RuntimeError:  # a follower went away while being told
                     log.warning("a follower left before it was told to stop")
             self._end_followers()
+            self._restore()
         self.tp = None
 
     def _end_followers(self) -> None:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from common.parallel.launch import LocalGroup, rank_devices
+from common.parallel.launch import LocalGroup, cpu_threads_per_rank, rank_devices
 
 
 def test_devices_per_rank():
@@ -18,6 +18,16 @@ def test_devices_per_rank():
         rank_devices("cuda:0,cuda:1,cuda:2", 2)
     with pytest.raises(ValueError, match="neither cpu nor cuda"):
         rank_devices("mps", 2)
+
+
+def test_rank_zero_shares_the_cores_while_in_the_group():
+    import torch
+
+    threads = torch.get_num_threads()
+    with LocalGroup(2, timeout_s=60) as tp:
+        assert tp.world_size == 2 and tp.is_leader
+        assert torch.get_num_threads() == cpu_threads_per_rank(2)
+    assert torch.get_num_threads() == threads
 
 
 def test_world_size_one_starts_nothing():

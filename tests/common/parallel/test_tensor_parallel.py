@@ -72,18 +72,8 @@ def single(checkpoints):
     return {kind: outputs(build(path)) for kind, path in checkpoints.items()}
 
 
-@pytest.fixture
-def one_thread():
-    # the ranks share this machine's cores; rank 0 is this process
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_sharded_model_matches_single_process(checkpoints, single, one_thread, world_size,
-                                              record_metric):
+def test_sharded_model_matches_single_process(checkpoints, single, world_size, record_metric):
     with LocalGroup(world_size, timeout_s=120) as tp:
         for kind, path in checkpoints.items():
             for expert_parallel in (False, True) if kind in MOE_KINDS else (False,):
