@@ -7,6 +7,7 @@ import torch
 from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
 from common.engine.cuda_graph import GraphRunner
+from common.engine.errors import GroupOutOfStep
 from common.engine.scheduler import ScheduledStep
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
@@ -55,10 +56,17 @@ class ModelRunner:
         """One eager forward of the batch ``ForwardBatch.build(**batch_args)`` over the pools
         (sent to the followers first, once the build has accepted it)."""
         batch = ForwardBatch.build(**batch_args, device=self.device)
-        if self.followers is not None:
-            self.followers.forward(batch_args)
-        out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool,
-                         after_layer=after_layer)
+        if self.followers is None:
+            out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool,
+                             after_layer=after_layer)
+            return out, batch
+        self.followers.forward(batch_args)
+        try:
+            out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool,
+                             after_layer=after_layer)
+        except Exception as exc:
+            raise GroupOutOfStep(f"a tensor-parallel forward failed on rank 0 after the "
+                                 f"followers were sent it: {type(exc).__name__}: {exc}") from exc
         return out, batch
 
     def run(self, step: ScheduledStep, *, return_all_logits: bool = False,

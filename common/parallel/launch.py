@@ -140,20 +140,24 @@ class LocalGroup:
                 raise TimeoutError(f"the followers did not start within {self.timeout_s} s")
             time.sleep(POLL_S)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self.tp is not None and self.tp.world_size > 1:
-            if all(p.is_alive() for p in self.processes):
+            # leaving on an error, the followers may be inside a collective that rank 0 will
+            # never join: a Stop would not reach them, so they are ended instead
+            if exc_type is None and all(p.is_alive() for p in self.processes):
                 try:
                     FollowerLink(self.tp).stop()
                 except RuntimeError:  # a follower went away while being told
                     log.warning("a follower left before it was told to stop")
-            self._end_followers()
+                self._end_followers()
+            else:
+                self._end_followers(wait_s=0.0)
             self._restore()
         self.tp = None
 
-    def _end_followers(self) -> None:
+    def _end_followers(self, wait_s: float = JOIN_TIMEOUT_S) -> None:
         for p in self.processes:
-            p.join(JOIN_TIMEOUT_S)
+            p.join(wait_s)
             if p.is_alive():
                 log.warning("follower %s did not stop; ending it", p.name)
                 p.terminate()
