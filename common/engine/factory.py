@@ -67,11 +67,8 @@ class EngineSettings:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got "
                              f"{self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1:
-            for what, value in (("a DFLASH draft", self.draft),
-                                ("pools sized by memory", self.pools)):
-                if value is not None:
-                    raise ValueError(f"{what} with tensor parallelism is not built yet")
+        if self.tensor_parallel_size > 1 and self.pools is not None:
+            raise ValueError("pools sized by memory with tensor parallelism are not built yet")
 
 
 @dataclass(frozen=True)
@@ -130,6 +127,13 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
                        progress=settings.progress, tp=tp,
                        expert_parallel=settings.expert_parallel)
     draft = load_draft(settings.draft, model) if settings.draft else None
+    draft_vocab = None
+    if draft is not None and world_size > 1:
+        from common.model.load import full_vocabulary
+
+        # the draft runs on rank 0 only and reads the whole vocabulary's rows
+        draft_vocab = full_vocabulary(settings.model, model.config, dtype=model.dtype,
+                                      device=config.device)
     eos = eos_token_ids_for(settings.model, model.config)
     sizing = None
     if settings.pools is not None:
@@ -140,7 +144,8 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
         if sizing.over_budget_bytes:
             log.warning("the pools given exceed the --mem-fraction budget by %s",
                         format_bytes(sizing.over_budget_bytes))
-    engine = LLMEngine(model, config, eos, draft=draft, block_size=settings.block_size)
+    engine = LLMEngine(model, config, eos, draft=draft, block_size=settings.block_size,
+                       draft_vocab=draft_vocab)
     if settings.warmup == "always" or engine.runner.graphs is not None:
         start = time.perf_counter()
         engine.warmup(settings.progress)

@@ -69,6 +69,21 @@ class ModelRunner:
                                  f"followers were sent it: {type(exc).__name__}: {exc}") from exc
         return out, batch
 
+    def commit_verified(self, batch: ForwardBatch, accepted_lens) -> None:
+        """``HybridForCausalLM.commit_verified`` of the latest VERIFY forward, on every rank
+        (the followers are sent the accepted lengths, as host ints)."""
+        if self.followers is None:
+            self.model.commit_verified(batch, accepted_lens, state_pool=self.state_pool)
+            return
+        lengths = [int(n) for n in (accepted_lens.tolist() if torch.is_tensor(accepted_lens)
+                                    else accepted_lens)]
+        self.followers.commit(lengths)
+        try:
+            self.model.commit_verified(batch, lengths, state_pool=self.state_pool)
+        except Exception as exc:
+            raise GroupOutOfStep(f"a tensor-parallel commit failed on rank 0 after the "
+                                 f"followers were sent it: {type(exc).__name__}: {exc}") from exc
+
     def run(self, step: ScheduledStep, *, return_all_logits: bool = False,
             after_layer=None) -> tuple[ModelOutput, ForwardBatch]:
         """Run one forward and advance every request's ``num_cached``. ``after_layer(i)``:

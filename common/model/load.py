@@ -56,6 +56,25 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | None = None,
     return model.eval()
 
 
+def full_vocabulary(name_or_path: str, config: ModelConfig, *, dtype: torch.dtype,
+                    device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole input embedding and output weight ``([V, H], [V, H])`` of a model, the same
+    tensor twice when they are tied: what a DFLASH draft reads on rank 0 of a sharded target,
+    which holds only its vocabulary rows of them."""
+    from common.model.loader import EMBED, LM_HEAD, read_whole
+
+    name_or_path = resolve_model(name_or_path)
+    names = (EMBED,) if config.tie_word_embeddings else (EMBED, LM_HEAD)
+    if name_or_path == TINY_NAME:
+        full = {name: torch.empty(shape) for name, shape in full_parameter_shapes(config).items()}
+        fill_deterministic(full.items())
+    else:
+        full = read_whole(name_or_path, config, names)
+    embed, head = (full[names[0]], full[names[-1]])
+    embed = embed.to(device=device, dtype=dtype)
+    return embed, embed if head is full[names[0]] else head.to(device=device, dtype=dtype)
+
+
 def weights_identity(name_or_path: str) -> str:
     """Names the weights for the handoff fingerprint: the built-in seed, or the checkpoint's
     safetensors files with their sizes (cheap, and changes when any file is replaced)."""

@@ -190,6 +190,23 @@ def load_weights(params: dict[str, torch.Tensor], checkpoint_dir: str | Path, co
         raise WeightLoadError(f"parameters not found in the checkpoint {checkpoint_dir}: {missing}")
 
 
+def read_whole(checkpoint_dir: str | Path, config: ModelConfig,
+               names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The whole tensors of our parameters ``names`` (their checkpoint tensors renamed by the
+    family's prefixes, read as stored), for what must stay whole on one rank of a sharded
+    model. Raises WeightLoadError when one is not in the checkpoint."""
+    family = family_for(config.model_type)
+    found: dict[str, torch.Tensor] = {}
+    for raw_name, source in _iter_slices(_checkpoint_files(Path(checkpoint_dir))):
+        name = family.checkpoint_name(raw_name)
+        if name in names:
+            found[name] = source[:]
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise WeightLoadError(f"{missing} not found in the checkpoint {checkpoint_dir}")
+    return found
+
+
 def _missing_detail(name: str, param: torch.Tensor, done: set) -> str | None:
     """None when ``name`` is fully loaded, else how it is incomplete (for the error message)."""
     if WHOLE in done:

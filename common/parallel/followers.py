@@ -7,6 +7,9 @@ their shard of the model and of the pools, and do what rank 0 broadcasts, in ord
 - :class:`RunForward`: one forward over a batch described by ``ForwardBatch.build``'s
   arguments (token ids, prefix lengths, page ids, state slots), so each follower builds the same
   indices rank 0 built and runs the same layers, meeting rank 0 in every collective;
+- :class:`CommitVerified`: fold the accepted prefix of the latest VERIFY forward into the GDN
+  state (DFLASH: rank 0 runs the draft and decides acceptance; the followers only verify and
+  commit);
 - :class:`Stop`: leave the loop.
 
 Tokens are decided once, on rank 0: a follower never samples, because the next forward's token
@@ -52,6 +55,11 @@ class RunForward:
 
 
 @dataclass(frozen=True)
+class CommitVerified:
+    accepted_lens: list[int]  # per request of the latest VERIFY forward
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
@@ -70,6 +78,9 @@ class FollowerLink:
     def forward(self, batch_args: dict) -> None:
         self.tp.broadcast_object(RunForward(batch_args))
 
+    def commit(self, accepted_lens: list[int]) -> None:
+        self.tp.broadcast_object(CommitVerified(list(accepted_lens)))
+
     def stop(self) -> None:
         self.tp.broadcast_object(Stop())
 
@@ -84,6 +95,7 @@ class Follower:
         self.device = device
         self.model = None
         self.kv_pool = self.state_pool = None
+        self.last_batch: ForwardBatch | None = None  # what a CommitVerified refers to
 
     def run(self) -> None:
         """Handle messages until :class:`Stop`."""
@@ -95,6 +107,8 @@ class Follower:
                 self.load(message.settings)
             elif isinstance(message, RunForward):
                 self.forward(message.batch_args)
+            elif isinstance(message, CommitVerified):
+                self.commit(message.accepted_lens)
             else:
                 raise TypeError(f"unknown message {type(message).__name__}")
 
@@ -121,3 +135,9 @@ class Follower:
                 self.state_pool.conv[:, fresh] = 0
                 self.state_pool.ssm[:, fresh] = 0
         self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+        self.last_batch = batch
+
+    def commit(self, accepted_lens: list[int]) -> None:
+        if self.last_batch is None or self.last_batch.mode != ForwardMode.VERIFY:
+            raise RuntimeError("a commit without a VERIFY forward before it")
+        self.model.commit_verified(self.last_batch, accepted_lens, state_pool=self.state_pool)

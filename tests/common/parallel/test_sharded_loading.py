@@ -114,3 +114,16 @@ def test_a_wrong_full_shape_is_refused_before_a_part_is_read(checkpoints, tmp_pa
     model = model_class_for(config)(config, tp=rank_of(0, 2))
     with pytest.raises(loader.WeightLoadError, match="of the full model"):
         loader.load_weights(dict(model.named_parameters()), bad, config, plan=model.shard_plan)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_5"])  # separate head, tied head
+def test_the_full_vocabulary_for_a_draft_is_the_full_models(checkpoints, kind):
+    from common.model.load import full_vocabulary
+
+    path = checkpoints[kind]
+    config = read_model_config(path)
+    full = load_model(str(path))
+    embed, head = full_vocabulary(str(path), config, dtype=torch.float32, device="cpu")
+    assert torch.equal(embed, full.get_input_embeddings().weight)
+    assert torch.equal(head, full.get_output_weight())
+    assert (head is embed) == config.tie_word_embeddings

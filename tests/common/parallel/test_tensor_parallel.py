@@ -26,14 +26,16 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True, log
 CACHE = CacheConfig(page_size=4, num_pages=96, num_slots=5)
 
 
-def build(path, tp=None, device: str = "cpu", expert_parallel: bool = False):
+def build(path, tp=None, device: str = "cpu", expert_parallel: bool = False,
+          draft: str | None = None):
     from common.engine.scheduler import SchedulerConfig
 
     world = 1 if tp is None else tp.world_size
     engine = EngineConfig(cache=CACHE, scheduler=SchedulerConfig(max_prefill_tokens=8),
                           device=device)
     return build_engine(EngineSettings(model=str(path), engine=engine, tensor_parallel_size=world,
-                                       expert_parallel=expert_parallel), tp=tp).engine
+                                       expert_parallel=expert_parallel, draft=draft),
+                        tp=tp).engine
 
 
 def prompt_logits(engine, prompt: list[int]) -> torch.Tensor:
@@ -61,6 +63,23 @@ def outputs(engine):
                                                   for r in reqs]
 
 
+def speculative_outputs(engine):
+    """Tokens and accept lengths of greedy and seeded sampled requests decoded with DFLASH;
+    the pools end full again."""
+    free = engine.load()
+    params = [GREEDY, GREEDY,
+              SamplingParams(temperature=0.8, seed=5, max_new_tokens=32, ignore_eos=True)]
+    reqs = engine.generate(PROMPTS, params)
+    assert engine.load()["free_pages"] == free["free_pages"]
+    assert all(r.accept_lengths for r in reqs)  # every request speculated
+    return [(r.output_ids, r.accept_lengths) for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def single_speculative():
+    return speculative_outputs(build("tiny", draft="tiny"))
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
@@ -73,8 +92,11 @@ def single(checkpoints):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_sharded_model_matches_single_process(checkpoints, single, world_size, record_metric):
+def test_sharded_model_matches_single_process(checkpoints, single, single_speculative,
+                                              world_size, record_metric):
     with LocalGroup(world_size, timeout_s=120) as tp:
+        # DFLASH: the draft on rank 0, the verify and commit on every rank
+        assert speculative_outputs(build("tiny", tp, draft="tiny")) == single_speculative
         for kind, path in checkpoints.items():
             for expert_parallel in (False, True) if kind in MOE_KINDS else (False,):
                 logits, tokens, logprobs = outputs(build(path, tp,
