@@ -69,8 +69,7 @@ class DFlashSpeculator:
         self.runner = runner
         if runner is not None and graphs is not None:
             raise ValueError("DFLASH graphs are not built for tensor parallelism")
-        self.embed, self.lm_head = vocab if vocab is not None else (
-            target.get_input_embeddings().weight, target.get_output_weight())
+        self.vocab = vocab
         self.block_size = block_size or draft.config.block_size
         if self.block_size < 2:
             raise ValueError(f"block size must be at least 2, got {self.block_size}")
@@ -125,7 +124,9 @@ class DFlashSpeculator:
         logits = self.draft.propose(
             block_ids=blocks, start_positions=[r.num_cached for r in requests],
             page_table=page_table(pages, device), pool=self.draft_pool,
-            embed=self.embed, lm_head=self.lm_head)
+            embed=self.target.get_input_embeddings().weight if self.vocab is None
+            else self.vocab[0],
+            lm_head=self.target.get_output_weight() if self.vocab is None else self.vocab[1])
         return logits.argmax(-1)
 
     def _commit(self, batch: ForwardBatch, lengths) -> None:
