@@ -27,7 +27,30 @@ QWEN3_5_35B_A3B = {
     "tie_word_embeddings": False,
 }
 
-SHAPES = {"qwen3.5-4b": QWEN3_5_4B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
+# The two larger Qwen3.5-MoE releases. 397B-A17B: as its model card lists it (hidden 4096, 60
+# layers, 512 experts of 1024, 10 routed + 1 shared, attention 32 Q / 2 KV of 256, GDN 16 QK /
+# 64 V heads of 128). 122B-A10B: hidden 3072, 48 layers, 256 experts of 1024 (8 routed + 1
+# shared), attention 32 Q / 2 KV, GDN 16 QK / 64 V heads; its head counts are recalled from its
+# config.json, not re-read here (the total they give, 122.1B with vision and MTP left out, agrees
+# with the release's name).
+QWEN3_5_122B_A10B = {
+    **_QWEN3_5_COMMON, "model_type": "qwen3_5_moe_text", "hidden_size": 3072,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 2,
+    "linear_num_value_heads": 64, "num_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024,
+    "tie_word_embeddings": False,
+}
+
+QWEN3_5_397B_A17B = {
+    **_QWEN3_5_COMMON, "model_type": "qwen3_5_moe_text", "hidden_size": 4096,
+    "num_hidden_layers": 60, "num_attention_heads": 32, "num_key_value_heads": 2,
+    "linear_num_value_heads": 64, "num_experts": 512, "num_experts_per_tok": 10,
+    "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024,
+    "tie_word_embeddings": False,
+}
+
+SHAPES = {"qwen3.5-4b": QWEN3_5_4B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+          "qwen3.5-122b-a10b": QWEN3_5_122B_A10B, "qwen3.5-397b-a17b": QWEN3_5_397B_A17B}
 
 
 def shape_config(name: str) -> ModelConfig:

@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per DFLASH step, in process (default: the draft's)")
     gen.add_argument("--speculative", choices=("auto", "on", "off"), default="auto",
                      help="speculative decoding for this request (auto: when a draft is there)")
+    gen.add_argument("--tp", type=int, default=1, metavar="N",
+                     help="in process: shard the model over N processes (tensor parallelism; "
+                          "one device each: --device cuda gives cuda:0..N-1, the CPU is shared)")
+    gen.add_argument("--expert-parallel", action="store_true",
+                     help="with --tp: place a MoE model's routed experts whole on the ranks "
+                          "(default: each expert's matrices split over them)")
     add_client_args(gen.add_argument_group("with --router: the router port's API key and TLS"))
 
     up = sub.add_parser("up", help="start prefill and decode workers and a router on this host",
@@ -199,18 +205,32 @@ def run_local(args: argparse.Namespace, prompts: list[list[int]],
     from common.engine.llm_engine import EngineConfig
     from common.worker_args import dtype_from_args
 
+    from common.parallel.launch import LocalGroup
+
     if speculative_choice(args) and not args.draft:
         raise ValueError("--speculative on needs --draft")
+    if args.tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {args.tp}")
+    group = LocalGroup(args.tp, args.device)
     # graphs for the batch sizes this run can have (captured by the warm-up, on a GPU only)
     graphs = CudaGraphConfig(max_batch_size=max(1, len(prompts)))
     settings = EngineSettings(model=args.model, draft=args.draft, block_size=args.block_size,
                               dtype=dtype_from_args(args), kernels=args.kernels,
-                              engine=EngineConfig(device=args.device, cuda_graph=graphs),
-                              progress=True)  # a bar on terminals
-    engine = build_engine(settings).engine
-    start = time.perf_counter()
-    reqs = engine.generate(prompts, params)
-    return reqs, time.perf_counter() - start
+                              engine=EngineConfig(device=group.device, cuda_graph=graphs),
+                              progress=True, tensor_parallel_size=args.tp,  # a bar on terminals
+                              expert_parallel=args.expert_parallel)
+    if args.tp > 1:
+        from common.model.load import load_config
+        from common.parallel.shard_plan import ShardPlan
+
+        # refused before any process starts
+        ShardPlan.for_rank(load_config(args.model), 0, args.tp,
+                           expert_parallel=args.expert_parallel)
+    with group as tp:
+        engine = build_engine(settings, tp=tp if args.tp > 1 else None).engine
+        start = time.perf_counter()
+        reqs = engine.generate(prompts, params)
+        return reqs, time.perf_counter() - start
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -218,6 +238,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = sampling_from_args(args)
     if args.router is not None:
+        if args.tp != 1:
+            raise ValueError("--tp is for in-process generation: through a router, the "
+                             "workers' parallel sizes are theirs")
         for flag in ("draft", "block_size"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} is for in-process generation: "

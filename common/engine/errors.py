@@ -4,7 +4,9 @@ A step that raises takes down only the requests it was running (``StepFailed``):
 them with finish reason "error", frees their pages and slots, and goes on serving the rest. Only
 an error that leaves the device unusable (an illegal memory access, a device-side assert: CUDA
 keeps such errors sticky, so every later launch fails too) stops the engine thread, and then the
-worker reports NOT_SERVING and exits so that its supervisor replaces it.
+worker reports NOT_SERVING and exits so that its supervisor replaces it. So does a
+tensor-parallel step that fails on rank 0 after the followers were sent it (``GroupOutOfStep``):
+they are inside that step's collectives, and the ranks can never meet in the same step again.
 """
 
 from __future__ import annotations
@@ -26,9 +28,18 @@ class StepFailed(Exception):
         self.request_ids = request_ids
 
 
+class GroupOutOfStep(RuntimeError):
+    """A tensor-parallel forward failed on rank 0 after the followers were sent it (or a
+    collective failed because a follower went away): the group cannot run another step.
+    ``__cause__`` is what the forward raised."""
+
+
 def is_device_fault(exc: BaseException) -> bool:
-    """Whether ``exc`` leaves the device (or the process) unable to run another step."""
+    """Whether ``exc`` leaves the device (or the process, or its tensor-parallel group) unable
+    to run another step."""
     if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit, MemoryError's kin
+        return True
+    if isinstance(exc, GroupOutOfStep):
         return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(exc, accelerator_error):

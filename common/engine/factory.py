@@ -43,6 +43,10 @@ class EngineSettings:
             ``--num-slots``), sized by ``common/engine/pool_sizing.py``; None for none.
         warmup: one of :data:`WARMUP_POLICIES`.
         progress: progress bars for weight loading and graph capture (terminals only).
+        tensor_parallel_size: ranks the model is sharded over; above 1, :func:`build_engine`
+            takes rank 0's group, and the followers load their shards when it does.
+        expert_parallel: place a MoE model's routed experts whole on the ranks, instead of
+            splitting each expert's matrices over them.
     """
 
     model: str
@@ -54,10 +58,17 @@ class EngineSettings:
     pools: PoolRequest | None = None
     warmup: str = "graphs"
     progress: bool = False
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.warmup not in WARMUP_POLICIES:
             raise ValueError(f"warmup must be one of {WARMUP_POLICIES}, got {self.warmup!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.pools is not None:
+            raise ValueError("pools sized by memory with tensor parallelism are not built yet")
 
 
 @dataclass(frozen=True)
@@ -79,11 +90,17 @@ class BuiltEngine:
     sizing: PoolSizing | None = None
 
 
-def build_engine(settings: EngineSettings) -> BuiltEngine:
+def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
     """Load the model (and draft), size the pools, build and warm up the engine.
 
+    ``tp``: rank 0's :class:`~common.parallel.group.TensorParallelGroup` when
+    ``settings.tensor_parallel_size`` is above 1 (``common/parallel/launch.py`` makes one); the
+    followers are told to load their shards first, so all ranks load at once.
+
     Raises SizingError (what to change) when ``settings.pools`` cannot fit, ValueError for a
-    kernel set whose libraries are missing, FileNotFoundError for a model that is not there.
+    kernel set whose libraries are missing or a group that does not match the settings,
+    ShardingError when the model does not split over the group, FileNotFoundError for a model
+    that is not there.
     """
     from common.engine.pool_sizing import check_fit, size_engine_pools
     from common.handoff.layout import model_fingerprint
@@ -91,10 +108,32 @@ def build_engine(settings: EngineSettings) -> BuiltEngine:
     from common.model.load import eos_token_ids_for, load_model, weights_identity
 
     config = settings.engine
+    world_size = 1 if tp is None else tp.world_size
+    if world_size != settings.tensor_parallel_size:
+        raise ValueError(f"the settings ask for tensor-parallel size "
+                         f"{settings.tensor_parallel_size}, the group given has {world_size}")
+    if world_size > 1:
+        from common.model.load import load_config
+        from common.parallel.followers import FollowerLink, ShardSettings
+        from common.parallel.shard_plan import ShardPlan
+
+        # the split is checked here, once, before any rank starts to load
+        ShardPlan.for_rank(load_config(settings.model), 0, world_size,
+                           expert_parallel=settings.expert_parallel)
+        FollowerLink(tp).load(ShardSettings(settings.model, settings.dtype, settings.kernels,
+                                            config.cache, settings.expert_parallel))
     model = load_model(settings.model, dtype=settings.dtype, device=config.device,
                        kernels=select_kernel_set(settings.kernels, config.device),
-                       progress=settings.progress)
+                       progress=settings.progress, tp=tp,
+                       expert_parallel=settings.expert_parallel)
     draft = load_draft(settings.draft, model) if settings.draft else None
+    draft_vocab = None
+    if draft is not None and world_size > 1:
+        from common.model.load import full_vocabulary
+
+        # the draft runs on rank 0 only and reads the whole vocabulary's rows
+        draft_vocab = full_vocabulary(settings.model, model.config, dtype=model.dtype,
+                                      device=config.device)
     eos = eos_token_ids_for(settings.model, model.config)
     sizing = None
     if settings.pools is not None:
@@ -105,7 +144,8 @@ def build_engine(settings: EngineSettings) -> BuiltEngine:
         if sizing.over_budget_bytes:
             log.warning("the pools given exceed the --mem-fraction budget by %s",
                         format_bytes(sizing.over_budget_bytes))
-    engine = LLMEngine(model, config, eos, draft=draft, block_size=settings.block_size)
+    engine = LLMEngine(model, config, eos, draft=draft, block_size=settings.block_size,
+                       draft_vocab=draft_vocab)
     if settings.warmup == "always" or engine.runner.graphs is not None:
         start = time.perf_counter()
         engine.warmup(settings.progress)

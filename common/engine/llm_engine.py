@@ -68,25 +68,37 @@ class LLMEngine:
 
     def __init__(self, model: HybridForCausalLM, config: EngineConfig,
                  eos_token_ids: tuple[int, ...] = (), *, draft: DFlashDraftModel | None = None,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None,
+                 draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``draft_vocab``: with a draft and a tensor-parallel model, the full input embedding
+        and output weight the draft reads (rank 0 holds only its rows of the target's)."""
         self.model = model
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids) or model.config.eos_token_ids
+        if model.tp.world_size > 1:
+            if not model.tp.is_leader:
+                raise ValueError(f"rank {model.tp.rank} of a tensor-parallel group follows "
+                                 "rank 0's engine; it does not run one")
+            if draft is not None and draft_vocab is None:
+                raise ValueError("a draft of a tensor-parallel target needs the full "
+                                 "vocabulary weights (draft_vocab)")
         self.kv_pool, self.state_pool = make_pools(model, config.cache, config.device)
         token_cap = self._graph_token_cap()
         graphs_on = self._graphs_apply(token_cap)
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device,
+                                  graphs=self._decode_graphs(token_cap) if graphs_on else None)
+        sharded = model.tp.world_size > 1
         self.speculator = None if draft is None else DFlashSpeculator(
             model, draft, self.kv_pool, self.state_pool, block_size=block_size,
             max_requests=0 if config.hold_after_prefill
             else config.scheduler.max_running_requests,
             graphs=config.cuda_graph if graphs_on else None,
-            max_graph_tokens=token_cap if graphs_on else None)
+            max_graph_tokens=token_cap if graphs_on else None,
+            runner=self.runner if sharded else None, vocab=draft_vocab if sharded else None)
         # a verify block writes block_size positions past the cache: reserve room for them
         lookahead = self.speculator.block_size if self.speculator else 0
         self.scheduler = Scheduler(replace(config.scheduler, lookahead_tokens=lookahead),
                                    self.kv_pool, self.state_pool)
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device,
-                                  graphs=self._decode_graphs(token_cap) if graphs_on else None)
         self.overlap = None
         if config.overlap_schedule and self.runner.graphs is not None:
             self.overlap = OverlapDecoder(self.runner.graphs, config.cache.num_slots)
@@ -107,6 +119,10 @@ class LLMEngine:
         on_gpu = torch.device(config.device).type == "cuda"
         # a prefill worker never decodes: its requests leave after their first token
         if not graphs.enabled or config.hold_after_prefill or (graphs.capture and not on_gpu):
+            return False
+        if self.model.tp.world_size > 1:
+            log.warning("CUDA graphs (and overlap scheduling) are off: they are not built for "
+                        "tensor parallelism yet; decode runs eagerly")
             return False
         if graphs.capture and token_cap == 0:
             # an op reads the host at any size: no graph can replay it

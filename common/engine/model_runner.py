@@ -7,6 +7,7 @@ import torch
 from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
 from common.engine.cuda_graph import GraphRunner
+from common.engine.errors import GroupOutOfStep
 from common.engine.scheduler import ScheduledStep
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
@@ -15,6 +16,9 @@ from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
 class ModelRunner:
     """Args:
         graphs: replays DECODE steps it serves from CUDA graphs; others run eagerly.
+
+    On rank 0 of a tensor-parallel model every forward is first sent to the followers
+    (``common/parallel/followers.py``), which run the same batch on their shards.
     """
 
     def __init__(self, model: HybridForCausalLM, kv_pool: KVPool, state_pool: GDNStatePool,
@@ -24,16 +28,61 @@ class ModelRunner:
         self.state_pool = state_pool
         self.device = torch.device(device)
         self.graphs = graphs
+        self.followers = None
+        if model.tp.world_size > 1:
+            from common.parallel.followers import FollowerLink
 
-    def build_batch(self, step: ScheduledStep, *, return_all_logits: bool = False) -> ForwardBatch:
+            if graphs is not None:
+                raise ValueError("CUDA graphs are not built for tensor parallelism yet: a "
+                                 "replay would not reach the followers")
+            self.followers = FollowerLink(model.tp)
+
+    def batch_args(self, step: ScheduledStep, *, return_all_logits: bool = False) -> dict:
+        """``ForwardBatch.build``'s arguments for ``step`` (all host values), less the device."""
         reqs = step.requests
-        return ForwardBatch.build(
+        return dict(
             mode=step.mode, token_ids=step.token_ids(),
             prefix_lens=[r.num_cached for r in reqs],
             page_ids=[r.page_ids[:self.kv_pool.pages_for(r.num_cached + n)]
                       for r, n in zip(reqs, step.num_new_tokens)],
             page_size=self.kv_pool.page_size, state_slots=[r.slot for r in reqs],
-            return_all_logits=return_all_logits, device=self.device)
+            return_all_logits=return_all_logits)
+
+    def build_batch(self, step: ScheduledStep, *, return_all_logits: bool = False) -> ForwardBatch:
+        return ForwardBatch.build(**self.batch_args(step, return_all_logits=return_all_logits),
+                                  device=self.device)
+
+    def forward(self, batch_args: dict, *, after_layer=None) -> tuple[ModelOutput, ForwardBatch]:
+        """One eager forward of the batch ``ForwardBatch.build(**batch_args)`` over the pools
+        (sent to the followers first, once the build has accepted it)."""
+        batch = ForwardBatch.build(**batch_args, device=self.device)
+        if self.followers is None:
+            out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool,
+                             after_layer=after_layer)
+            return out, batch
+        self.followers.forward(batch_args)
+        try:
+            out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool,
+                             after_layer=after_layer)
+        except Exception as exc:
+            raise GroupOutOfStep(f"a tensor-parallel forward failed on rank 0 after the "
+                                 f"followers were sent it: {type(exc).__name__}: {exc}") from exc
+        return out, batch
+
+    def commit_verified(self, batch: ForwardBatch, accepted_lens) -> None:
+        """``HybridForCausalLM.commit_verified`` of the latest VERIFY forward, on every rank
+        (the followers are sent the accepted lengths, as host ints)."""
+        if self.followers is None:
+            self.model.commit_verified(batch, accepted_lens, state_pool=self.state_pool)
+            return
+        lengths = [int(n) for n in (accepted_lens.tolist() if torch.is_tensor(accepted_lens)
+                                    else accepted_lens)]
+        self.followers.commit(lengths)
+        try:
+            self.model.commit_verified(batch, lengths, state_pool=self.state_pool)
+        except Exception as exc:
+            raise GroupOutOfStep(f"a tensor-parallel commit failed on rank 0 after the "
+                                 f"followers were sent it: {type(exc).__name__}: {exc}") from exc
 
     def run(self, step: ScheduledStep, *, return_all_logits: bool = False,
             after_layer=None) -> tuple[ModelOutput, ForwardBatch]:
@@ -43,9 +92,8 @@ class ModelRunner:
                 and not return_all_logits and self.graphs.serves(len(step.requests))):
             out, batch = self.graphs.run(step.requests, step.token_ids())
         else:
-            batch = self.build_batch(step, return_all_logits=return_all_logits)
-            out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool,
-                             after_layer=after_layer)
+            out, batch = self.forward(self.batch_args(step, return_all_logits=return_all_logits),
+                                      after_layer=after_layer)
         for r, n in zip(step.requests, step.num_new_tokens):
             r.num_cached += n
         return out, batch

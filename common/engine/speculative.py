@@ -49,6 +49,11 @@ class DFlashSpeculator:
             :meth:`capture_graphs`), for batches of up to ``VERIFY_GRAPH_TOKENS // B`` requests.
         max_graph_tokens: a lower cap on the tokens of a captured verify, from the target's ops
             (none when it is below B).
+        runner: a tensor-parallel target's runner (rank 0's): the verify forward and the
+            commit go through it, so the followers run them too. The draft runs on rank 0
+            only, and acceptance is decided there, once.
+        vocab: the full input embedding and output weight ``([V, H], [V, H])`` the draft
+            reads, where the target holds only its rows of them (tensor parallelism).
     """
 
     # the largest captured verify forward, in tokens: its fp32 logits alone are
@@ -58,8 +63,13 @@ class DFlashSpeculator:
     def __init__(self, target: HybridForCausalLM, draft: DFlashDraftModel, kv_pool: KVPool,
                  state_pool: GDNStatePool, *, block_size: int | None = None,
                  max_requests: int = 1, graphs: CudaGraphConfig | None = None,
-                 max_graph_tokens: int | None = None) -> None:
+                 max_graph_tokens: int | None = None, runner=None,
+                 vocab: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.target, self.draft = target, draft
+        self.runner = runner
+        if runner is not None and graphs is not None:
+            raise ValueError("DFLASH graphs are not built for tensor parallelism")
+        self.vocab = vocab
         self.block_size = block_size or draft.config.block_size
         if self.block_size < 2:
             raise ValueError(f"block size must be at least 2, got {self.block_size}")
@@ -114,9 +124,16 @@ class DFlashSpeculator:
         logits = self.draft.propose(
             block_ids=blocks, start_positions=[r.num_cached for r in requests],
             page_table=page_table(pages, device), pool=self.draft_pool,
-            embed=self.target.get_input_embeddings().weight,
-            lm_head=self.target.get_output_weight())
+            embed=self.target.get_input_embeddings().weight if self.vocab is None
+            else self.vocab[0],
+            lm_head=self.target.get_output_weight() if self.vocab is None else self.vocab[1])
         return logits.argmax(-1)
+
+    def _commit(self, batch: ForwardBatch, lengths) -> None:
+        if self.runner is not None:
+            self.runner.commit_verified(batch, lengths)  # decided here, committed everywhere
+        else:
+            self.target.commit_verified(batch, lengths, state_pool=self.state_pool)
 
     def step(self, requests: list[Request], seed_for) -> list[StepOutcome]:
         """Run one DFLASH step; every request's cache then holds its committed tokens.
@@ -145,11 +162,14 @@ class DFlashSpeculator:
         else:
             drafts_host, drafts_copied = drafts.cpu(), None
             tokens = [[r.output_ids[-1]] + d for r, d in zip(requests, drafts_host.tolist())]
-            batch = ForwardBatch.build(
-                mode=ForwardMode.VERIFY, token_ids=tokens,
-                prefix_lens=[r.num_cached for r in requests], page_ids=pages,
-                page_size=page_size, state_slots=[r.slot for r in requests], device=device)
-            out = self.target(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+            args = dict(mode=ForwardMode.VERIFY, token_ids=tokens,
+                        prefix_lens=[r.num_cached for r in requests], page_ids=pages,
+                        page_size=page_size, state_slots=[r.slot for r in requests])
+            if self.runner is not None:
+                out, batch = self.runner.forward(args)  # the followers verify too
+            else:
+                batch = ForwardBatch.build(**args, device=device)
+                out = self.target(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
             self.extend_context(out.aux_hidden_states, batch)
         logits = out.logits.view(n, b, -1)
         padding = batch.num_requests - n  # padding rows of a graph batch: scratch slot 0
@@ -158,12 +178,11 @@ class DFlashSpeculator:
             # reads the outcome once, after both: the GPU does not idle between them
             matched = greedy_match(drafts, logits)
             lengths = F.pad(matched[0] + 1, (0, padding), value=1)
-            self.target.commit_verified(batch, lengths, state_pool=self.state_pool)
+            self._commit(batch, lengths)
             accepted = read_greedy(matched)
         else:
             accepted = self._accept(requests, drafts, logits, seed_for)
-            self.target.commit_verified(batch, [a.commit_len for a in accepted] + [1] * padding,
-                                        state_pool=self.state_pool)
+            self._commit(batch, [a.commit_len for a in accepted] + [1] * padding)
         commits = [a.commit_len for a in accepted]
         if drafts_copied is not None:
             drafts_copied.synchronize()  # long done: acceptance read the host after it

@@ -3,6 +3,12 @@
 Parameters are allocated uninitialised (``torch.empty``) because the loader or the built-in
 model's generator fills every one of them; random init would only cost time. All math goes
 through the :class:`~common.model.kernels.Kernels` chosen when the model was built.
+
+Under tensor parallelism each layer holds its rank's shard (sized by the model's
+:class:`~common.parallel.shard_plan.ShardPlan`): the projections into heads and MLP columns are
+split by output rows, the projections out of them by input columns, and the one all-reduce of a
+block sums the ranks' partial outputs. At world size 1 the shard is the whole layer and the
+all-reduce returns its input.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from common.cache.state_pool import GDNStatePool, VerifyBuffers
 from common.config import ModelConfig
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.kernels import Kernels
+from common.parallel.group import TensorParallelGroup
+from common.parallel.shard_plan import ShardPlan
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -126,26 +134,33 @@ class FusedProjection:
 
 
 class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet token mixer; its cache is one GDN state slot per request."""
+    """Gated DeltaNet token mixer; its cache is one GDN state slot per request.
 
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    Sharded by value heads (``plan.gdn``): a rank holds its value heads, the key heads they
+    read and the conv channels of both, so the conv, the delta rule and the gated norm run on
+    local heads only; ``out_proj`` gives a partial sum that one all-reduce completes."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, *,
+                 plan: ShardPlan, tp: TensorParallelGroup) -> None:
         super().__init__()
         c = config
         self.layer_id = layer_id
-        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.tp = tp
+        self.num_k_heads, self.num_v_heads = plan.gdn.num_groups, plan.gdn.num_heads
         self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
-        self.key_dim, self.value_dim = c.key_dim, c.value_dim
-        self.in_proj_qkv = Linear(c.hidden_size, c.conv_dim, dtype)
-        self.in_proj_z = Linear(c.hidden_size, c.value_dim, dtype)
-        self.in_proj_b = Linear(c.hidden_size, c.linear_num_value_heads, dtype)
-        self.in_proj_a = Linear(c.hidden_size, c.linear_num_value_heads, dtype)
-        self.conv1d = Conv1d(c.conv_dim, c.linear_conv_kernel_dim, dtype)
+        self.key_dim, self.value_dim = plan.gdn_key_dim, plan.gdn_value_dim
+        conv_dim = plan.gdn_conv_dim
+        self.in_proj_qkv = Linear(c.hidden_size, conv_dim, dtype)
+        self.in_proj_z = Linear(c.hidden_size, self.value_dim, dtype)
+        self.in_proj_b = Linear(c.hidden_size, self.num_v_heads, dtype)
+        self.in_proj_a = Linear(c.hidden_size, self.num_v_heads, dtype)
+        self.conv1d = Conv1d(conv_dim, c.linear_conv_kernel_dim, dtype)
         # NOTE: A_log stays fp32 whatever the model dtype: exp(A_log) in half precision can
         # overflow and the decay must be exact enough to compound over long prompts.
-        self.A_log = _param(c.linear_num_value_heads, dtype=torch.float32)
-        self.dt_bias = _param(c.linear_num_value_heads, dtype=dtype)
+        self.A_log = _param(self.num_v_heads, dtype=torch.float32)
+        self.dt_bias = _param(self.num_v_heads, dtype=dtype)
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps, dtype)
-        self.out_proj = Linear(c.value_dim, c.hidden_size, dtype)
+        self.out_proj = Linear(self.value_dim, c.hidden_size, dtype)
         self.in_proj = FusedProjection(self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                        self.in_proj_a)
 
@@ -179,7 +194,7 @@ class GatedDeltaNet(nn.Module):
         # [T, HV, V] as they are: z's rows are strided, and flattening it would copy it
         o = kn.gated_rms_norm(x=o.to(x.dtype), gate=z, weight=self.norm.weight,
                               eps=self.norm.eps)
-        return self.out_proj(o.reshape(num_tokens, self.value_dim), kn)
+        return self.tp.all_reduce(self.out_proj(o.reshape(num_tokens, self.value_dim), kn))
 
     def _heads(self, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k [T, HK, K] and v [T, HV, V] from the conv output."""
@@ -230,20 +245,26 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    """Full attention with q/k norm, partial NeoX RoPE, GQA and a sigmoid output gate."""
+    """Full attention with q/k norm, partial NeoX RoPE, GQA and a sigmoid output gate.
 
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    Sharded by query heads (``plan.attention``): a rank holds its query heads and the KV heads
+    they read (split, or one replicated when there are fewer KV heads than ranks), so its KV
+    pool holds only those; ``o_proj`` gives a partial sum that one all-reduce completes."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, *,
+                 plan: ShardPlan, tp: TensorParallelGroup) -> None:
         super().__init__()
         c = config
         self.layer_id = layer_id
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+            plan.attention.num_heads, plan.attention.num_groups, c.head_dim)
         self.scale = c.head_dim ** -0.5
         # q_proj rows are laid out per head as [q_h | gate_h]
-        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim * 2, dtype)
-        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, dtype)
-        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, dtype)
-        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, dtype)
+        self.q_proj = Linear(c.hidden_size, self.num_heads * c.head_dim * 2, dtype)
+        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, dtype)
+        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, dtype)
+        self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size, dtype)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
         self.qkv_proj = FusedProjection(self.q_proj, self.k_proj, self.v_proj)
@@ -271,14 +292,19 @@ class GatedAttention(nn.Module):
                                    page_table=batch.page_table, prefix_lens=batch.prefix_lens,
                                    extend_lens=batch.extend_lens, scale=self.scale)
         o = kn.sigmoid_gate_mul(x=o.view(num_tokens, self.num_heads, self.head_dim), gate=gate)
-        return self.o_proj(o, kn)
+        return self.tp.all_reduce(self.o_proj(o, kn))
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one GEMM."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one GEMM.
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+    ``intermediate`` is this rank's columns; with ``tp`` the partial ``down`` outputs are
+    summed over the group (gate and up column-parallel, down row-parallel)."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, *,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_proj = Linear(hidden, intermediate, dtype)
         self.up_proj = Linear(hidden, intermediate, dtype)
         self.down_proj = Linear(intermediate, hidden, dtype)
@@ -286,7 +312,8 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         gate_up = kernels.linear(x=x, weight=self.gate_up_proj.weight())  # [T, 2I]: gate | up
-        return self.down_proj(kernels.silu_and_mul(x=gate_up), kernels)
+        out = self.down_proj(kernels.silu_and_mul(x=gate_up), kernels)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class PackedExperts(nn.Module):
@@ -300,18 +327,30 @@ class PackedExperts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Softmax top-k routed experts plus a sigmoid-gated shared expert."""
+    """Softmax top-k routed experts plus a sigmoid-gated shared expert.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    Sharded inside each expert (``plan.moe``, ``plan.shared_expert``): every rank holds every
+    expert's columns of its part of the intermediate size; or, expert-parallel, whole experts
+    ``plan.experts``. Either way every rank holds the whole router, so routing is the same
+    computation on every rank, and the block's output (routed plus shared, each a partial sum)
+    is completed by one all-reduce."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, *, plan: ShardPlan,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
         c = config
+        self.tp = tp
         self.top_k = c.num_experts_per_tok
         self.norm_topk_prob = c.norm_topk_prob
         self.gate = Linear(c.hidden_size, c.num_experts, dtype)
-        self.experts = PackedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype)
+        self.experts = PackedExperts(len(plan.experts), c.hidden_size, len(plan.moe), dtype)
+        # only an expert-parallel shard passes the offset, so every other call is unchanged
+        self.expert_offset = ({"expert_offset": plan.experts.start}
+                              if plan.is_expert_parallel else {})
         self.has_shared_expert = c.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
-            self.shared_expert = DenseMLP(c.hidden_size, c.shared_expert_intermediate_size, dtype)
+            # no all-reduce of its own: its partial sum joins the block's one
+            self.shared_expert = DenseMLP(c.hidden_size, len(plan.shared_expert), dtype)
             self.shared_expert_gate = Linear(c.hidden_size, 1, dtype)
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
@@ -321,7 +360,7 @@ class SparseMoE(nn.Module):
             shared = dict(shared_gate_proj=s.gate_proj.weight, shared_up_proj=s.up_proj.weight,
                           shared_down_proj=s.down_proj.weight,
                           shared_expert_gate=self.shared_expert_gate.weight)
-        return kernels.sparse_moe(
+        return self.tp.all_reduce(kernels.sparse_moe(
             x=x, router_weight=self.gate.weight, experts_gate_up=self.experts.gate_up_proj,
             experts_down=self.experts.down_proj, top_k=self.top_k,
-            norm_topk_prob=self.norm_topk_prob, **shared)
+            norm_topk_prob=self.norm_topk_prob, **shared, **self.expert_offset))

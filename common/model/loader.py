@@ -10,6 +10,11 @@ in place into the parameter.
 Every parameter must be covered exactly once: per-expert pieces are tracked one by one, so a
 missing expert or a tensor that arrives twice (e.g. both `in_proj_qkvz` and `in_proj_qkv`) is an
 error, as are unknown tensors and shape mismatches.
+
+Tensors are opened as safetensors slices (``get_slice``) and each piece reads what it needs: the
+whole tensor for an unsharded model, and under tensor parallelism only this rank's ranges
+(``ShardPlan``), so no rank reads or holds the full model. A sharded tensor's full shape is
+checked against the full model's before its ranges are read.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from safetensors import safe_open
 
 from common.config import ModelConfig
 from common.model.family_registry import family_for
-from common.model.weight_rules import WHOLE, WeightLoadError, WeightPiece, WeightRule, whole
+from common.model.weight_rules import (WHOLE, WeightLoadError, WeightPiece, WeightRule, sharded,
+                                       whole)
+from common.parallel.shard_plan import ShardPlan
 from common.progress import progress_bar
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -33,13 +40,13 @@ SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
 
 def _route(name: str, shape: tuple[int, ...], config: ModelConfig,
-           rules: tuple[WeightRule, ...]) -> list[WeightPiece]:
+           rules: tuple[WeightRule, ...], plan: ShardPlan) -> list[WeightPiece]:
     """The pieces that checkpoint tensor ``name`` (already prefix-translated) fills."""
     for rule in rules:
-        pieces = rule(name, shape, config)
+        pieces = rule(name, shape, config, plan)
         if pieces is not None:
             return pieces
-    return [whole(name)]
+    return [sharded(name, plan) if plan.is_sharded else whole(name)]
 
 
 def _checkpoint_files(checkpoint_dir: Path) -> dict[Path, list[str]]:
@@ -74,17 +81,58 @@ def _iter_tensors(files: dict[Path, list[str]]
                 yield name, lambda name=name: f.get_tensor(name)
 
 
+class _ReadOnce:
+    """A safetensors slice whose reads are kept while its tensor is being loaded: the pieces of
+    one tensor (``in_proj_qkvz``'s qkv and z, say) often read the same rows."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.reads: dict[tuple, torch.Tensor] = {}
+
+    def get_shape(self) -> list[int]:
+        return self.inner.get_shape()
+
+    def __getitem__(self, index) -> torch.Tensor:
+        parts = index if isinstance(index, tuple) else (index,)
+        key = tuple((p.start, p.stop, p.step) if isinstance(p, slice) else p for p in parts)
+        if key not in self.reads:
+            self.reads[key] = self.inner[index]
+        return self.reads[key]
+
+
+def _iter_slices(files: dict[Path, list[str]]) -> Iterator[tuple[str, object]]:
+    """(name, safetensors slice) per tensor: nothing is read until a piece indexes the slice,
+    and what was read is dropped when the next tensor comes."""
+    for file, names in files.items():
+        with safe_open(file, framework="pt") as f:
+            keys = set(f.keys())
+            for name in names:
+                if name not in keys:
+                    raise WeightLoadError(f"checkpoint tensor {name!r} is not in {file.name}")
+                yield name, _ReadOnce(f.get_slice(name))
+
+
+def full_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape in the unsharded model (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = family_for(config.model_type).wrapper(config, dtype=torch.float32)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
 def load_weights(params: dict[str, torch.Tensor], checkpoint_dir: str | Path, config: ModelConfig,
-                 *, progress: bool = False) -> None:
+                 *, plan: ShardPlan | None = None, progress: bool = False) -> None:
     """Copy a safetensors checkpoint into ``params`` (``dict(model.named_parameters())``) in place.
 
-    Tensors are converted to each parameter's dtype and device. Raises WeightLoadError for a
-    tensor that maps to no parameter, a shape mismatch, a region filled twice, or a parameter left
-    unfilled.
+    ``plan``: the rank's shard plan of a tensor-parallel model (``model.shard_plan``); None or
+    world size 1 loads whole tensors. Tensors are converted to each parameter's dtype and
+    device. Raises WeightLoadError for a tensor that maps to no parameter, a shape mismatch, a
+    region filled twice, or a parameter left unfilled.
     """
     checkpoint_dir = Path(checkpoint_dir)
     family = family_for(config.model_type)
     files = _checkpoint_files(checkpoint_dir)
+    plan = plan or ShardPlan.for_rank(config)
+    full_shapes = full_parameter_shapes(config) if plan.is_sharded else {}
     # named_parameters() lists a tied head once (as the embedding); a dict built by hand may list
     # the same tensor under both names: then it is filled once, through the embedding.
     tied = config.tie_word_embeddings or (LM_HEAD in params and EMBED in params
@@ -94,13 +142,17 @@ def load_weights(params: dict[str, torch.Tensor], checkpoint_dir: str | Path, co
                        "tensor", enabled=progress)
 
     with torch.no_grad(), bar:
-        for raw_name, read in _iter_tensors(files):
+        for raw_name, source in _iter_slices(files):
             bar.update()
             name = family.checkpoint_name(raw_name)
             if name is None or (tied and name == LM_HEAD):
                 continue
-            tensor = read()
-            for piece in _route(name, tuple(tensor.shape), config, family.weight_rules):
+            shape = tuple(source.get_shape())
+            if name in full_shapes and shape != full_shapes[name]:
+                raise WeightLoadError(
+                    f"checkpoint tensor {raw_name!r} has shape {list(shape)}, but parameter "
+                    f"{name!r} of the full model is {list(full_shapes[name])}")
+            for piece in _route(name, shape, config, family.weight_rules, plan):
                 param = params.get(piece.param)
                 if param is None:
                     target = "" if piece.param == raw_name else f" (as {piece.param!r})"
@@ -118,7 +170,7 @@ def load_weights(params: dict[str, torch.Tensor], checkpoint_dir: str | Path, co
                     raise WeightLoadError(
                         f"checkpoint tensor {raw_name!r} does not fit parameter {piece.param!r} "
                         f"of shape {list(param.shape)}") from None
-                value = piece.value(tensor)
+                value = piece.value(source)
                 if value.shape != region.shape:
                     raise WeightLoadError(
                         f"checkpoint tensor {raw_name!r} gives shape {list(value.shape)} for "
@@ -136,6 +188,23 @@ def load_weights(params: dict[str, torch.Tensor], checkpoint_dir: str | Path, co
                if (detail := _missing_detail(name, param, covered[name])) is not None]
     if missing:
         raise WeightLoadError(f"parameters not found in the checkpoint {checkpoint_dir}: {missing}")
+
+
+def read_whole(checkpoint_dir: str | Path, config: ModelConfig,
+               names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The whole tensors of our parameters ``names`` (their checkpoint tensors renamed by the
+    family's prefixes, read as stored), for what must stay whole on one rank of a sharded
+    model. Raises WeightLoadError when one is not in the checkpoint."""
+    family = family_for(config.model_type)
+    found: dict[str, torch.Tensor] = {}
+    for raw_name, source in _iter_slices(_checkpoint_files(Path(checkpoint_dir))):
+        name = family.checkpoint_name(raw_name)
+        if name in names:
+            found[name] = source[:]
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise WeightLoadError(f"{missing} not found in the checkpoint {checkpoint_dir}")
+    return found
 
 
 def _missing_detail(name: str, param: torch.Tensor, done: set) -> str | None:

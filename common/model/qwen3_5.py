@@ -5,6 +5,10 @@
 (``common/model/families/``: ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``,
 ``Qwen3NextForCausalLM``). Every hook the runtime needs is on the wrapper and delegates to the
 body, so code that holds a wrapper never reaches inside it.
+
+A model built with a :class:`~common.parallel.group.TensorParallelGroup` of N ranks holds its
+rank's shard (``shard_plan``, docs/tensor_parallel.md); its logits are the full vocabulary's on
+every rank. Built without one it is the whole model, computed as before.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from common.ops.graph_capabilities import GraphSupport
 from common.ops.rope.reference import rope_inv_freq
 from common.model.layers import (DenseMLP, ForwardContext, GatedAttention, GatedDeltaNet,
                                  RMSNorm, SparseMoE, _param)
+from common.parallel.group import TensorParallelGroup
+from common.parallel.shard_plan import ShardPlan
+from common.parallel.vocab_embedding import VocabParallelEmbedding
 
 
 @dataclass
@@ -37,17 +44,18 @@ class ModelOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, *,
+                 plan: ShardPlan, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.is_full_attention = config.layer_types[layer_id] == FULL_ATTENTION
         if self.is_full_attention:
-            self.self_attn = GatedAttention(config, layer_id, dtype)
+            self.self_attn = GatedAttention(config, layer_id, dtype, plan=plan, tp=tp)
         else:
-            self.linear_attn = GatedDeltaNet(config, layer_id, dtype)
+            self.linear_attn = GatedDeltaNet(config, layer_id, dtype, plan=plan, tp=tp)
         if config.is_moe_layer(layer_id):
-            self.mlp = SparseMoE(config, dtype)
+            self.mlp = SparseMoE(config, dtype, plan=plan, tp=tp)
         else:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype)
+            self.mlp = DenseMLP(config.hidden_size, len(plan.mlp), dtype, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -70,14 +78,12 @@ class DecoderLayer(nn.Module):
 class HybridModel(nn.Module):
     """The body: embedding, decoder layers, final norm."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, *, plan: ShardPlan,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         _weight=torch.empty(config.vocab_size,
-                                                             config.hidden_size, dtype=dtype))
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype)
+        self.embed_tokens = VocabParallelEmbedding(plan.vocab, config.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, plan=plan, tp=tp)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.capture_layer_ids: tuple[int, ...] = ()
@@ -149,12 +155,18 @@ class HybridForCausalLM(nn.Module):
     """Wrapper: owns ``lm_head`` and turns the body's hidden states into logits.
 
     A family's subclass names the one ``ModelConfig.model_type`` it serves in ``model_types``.
+
+    ``tp``: the tensor-parallel group this rank belongs to (None: world size 1); the model then
+    holds ``shard_plan``'s part of every weight. ``expert_parallel``: its routed experts are
+    placed whole on the ranks instead of split inside each (the reference MoE op only). Raises
+    ShardingError when the group's size does not divide what it must.
     """
 
     model_types: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
-                 kernels: Kernels | None = None) -> None:
+                 kernels: Kernels | None = None, tp: TensorParallelGroup | None = None,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         if config.model_type not in self.model_types:
             raise ValueError(f"{type(self).__name__} serves {self.model_types}, "
@@ -163,11 +175,19 @@ class HybridForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.kernels = kernels or Kernels.select()
-        self.model = HybridModel(config, dtype)
+        self.tp = tp or TensorParallelGroup.single()
+        self.shard_plan = ShardPlan.for_rank(config, self.tp.rank, self.tp.world_size,
+                                             expert_parallel=expert_parallel)
+        moe_backend = dict(self.kernels.backends).get("sparse_moe", "reference")
+        if self.shard_plan.is_expert_parallel and moe_backend != "reference":
+            raise ValueError(f"expert parallelism runs on the reference MoE op, not "
+                             f"{moe_backend!r}")
+        self.model = HybridModel(config, dtype, plan=self.shard_plan, tp=self.tp)
         # tied checkpoints have no head of their own: get_output_weight() returns the embedding
         if not config.tie_word_embeddings:
             self.lm_head = nn.Module()
-            self.lm_head.weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+            self.lm_head.weight = _param(len(self.shard_plan.vocab), config.hidden_size,
+                                         dtype=dtype)
         self.register_buffer(
             "inv_freq", rope_inv_freq(rotary_dim=config.rotary_dim, theta=config.rope_theta),
             persistent=False)
@@ -198,9 +218,11 @@ class HybridForCausalLM(nn.Module):
             else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and head for already-selected hidden states ``[M, H]`` -> fp32 ``[M, V]``."""
+        """Final norm and head for already-selected hidden states ``[M, H]`` -> fp32 ``[M, V]``
+        (the full vocabulary: a sharded head's rows are gathered, which needs no reduction)."""
         hidden = self.model.norm(hidden, self.kernels)
-        return self.kernels.linear(x=hidden, weight=self.get_output_weight()).float()
+        logits = self.kernels.linear(x=hidden, weight=self.get_output_weight()).float()
+        return self.tp.all_gather_last_dim(logits)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, kv_pool: KVPool | None,

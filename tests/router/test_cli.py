@@ -69,3 +69,22 @@ def test_generate_through_a_router_refuses_draft_flags(capsys, flag):
 def test_speculative_on_without_a_draft_is_an_error_in_process(capsys):
     assert main(["generate", "--model", "tiny", "--prompt", "Hi", "--speculative", "on"]) == 2
     assert "--speculative on needs --draft" in capsys.readouterr().err
+
+
+def test_generate_with_tensor_parallelism_gives_the_same_tokens(capsys):
+    # seeded sampling: the tokens are drawn once, on rank 0, from the gathered logits
+    args = ("--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "8", "--temperature", "0.8",
+            "--seed", "3")
+    single = run_json(capsys, *args)
+    sharded = run_json(capsys, *args, "--tp", "2")
+    assert sharded["token_ids"] == single["token_ids"]
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_is_an_error(capsys):
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "1", "--tp", "3"]) == 2
+    assert "cannot be split over 3 ranks" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "1", "--tp", "2",
+                 "--expert-parallel"]) == 2
+    assert "expert parallelism needs routed experts" in capsys.readouterr().err
+    assert main(["generate", "--router", "127.0.0.1:1", "--prompt", "Hi", "--tp", "2"]) == 2
+    assert "--tp is for in-process generation" in capsys.readouterr().err

@@ -22,10 +22,11 @@ def route(x, router_weight, top_k, norm_topk_prob, dt):
     return ids, weights.to(x.dtype)
 
 
-def check_moe_args(*, x, router_weight, experts_gate_up, experts_down, top_k, shared
-                   ) -> tuple[int, int, int, int]:
+def check_moe_args(*, x, router_weight, experts_gate_up, experts_down, top_k, shared,
+                   expert_offset: int | None = None) -> tuple[int, int, int, int]:
     """ValueError unless the arguments of :func:`sparse_moe` fit; returns (T, H, E, I).
-    ``shared``: the four shared-expert weights (all or none given)."""
+    ``shared``: the four shared-expert weights (all or none given). ``expert_offset``: the
+    packed experts are experts ``expert_offset ..`` of the router's (None: all of them)."""
     shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate = shared
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
@@ -33,13 +34,17 @@ def check_moe_args(*, x, router_weight, experts_gate_up, experts_down, top_k, sh
     if router_weight.dim() != 2 or router_weight.shape[1] != hidden:
         raise ValueError(f"router_weight must be [E, {hidden}], got {tuple(router_weight.shape)}")
     num_experts = router_weight.shape[0]
-    if experts_gate_up.dim() != 3 or experts_gate_up.shape[0] != num_experts or experts_gate_up.shape[2] != hidden:
-        raise ValueError(f"experts_gate_up must be [{num_experts}, 2I, {hidden}], got {tuple(experts_gate_up.shape)}")
+    held = num_experts if expert_offset is None else experts_gate_up.shape[0]
+    expert_offset = expert_offset or 0
+    if expert_offset < 0 or expert_offset + held > num_experts:
+        raise ValueError(f"experts {expert_offset}..{expert_offset + held - 1} are not all among the router's {num_experts}")
+    if experts_gate_up.dim() != 3 or experts_gate_up.shape[0] != held or experts_gate_up.shape[2] != hidden:
+        raise ValueError(f"experts_gate_up must be [{held}, 2I, {hidden}], got {tuple(experts_gate_up.shape)}")
     if experts_gate_up.shape[1] % 2:
         raise ValueError(f"experts_gate_up rows must be 2I (gate then up), got {experts_gate_up.shape[1]}")
     inter = experts_gate_up.shape[1] // 2
-    if experts_down.shape != (num_experts, hidden, inter):
-        raise ValueError(f"experts_down must be [{num_experts}, {hidden}, {inter}], got {tuple(experts_down.shape)}")
+    if experts_down.shape != (held, hidden, inter):
+        raise ValueError(f"experts_down must be [{held}, {hidden}, {inter}], got {tuple(experts_down.shape)}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if any(p is None for p in shared) and not all(p is None for p in shared):
@@ -61,6 +66,7 @@ def sparse_moe(
     shared_up_proj: torch.Tensor | None = None,
     shared_down_proj: torch.Tensor | None = None,
     shared_expert_gate: torch.Tensor | None = None,
+    expert_offset: int | None = None,
 ) -> torch.Tensor:
     """Routed experts plus an optional sigmoid-gated shared expert.
 
@@ -79,6 +85,9 @@ def sparse_moe(
         norm_topk_prob: divide the kept weights by their sum.
         shared_gate_proj, shared_up_proj: [I_s, H]; shared_down_proj: [H, I_s];
         shared_expert_gate: [1, H]. Give all four or none.
+        expert_offset: with expert parallelism, the packed experts are the router's experts
+            ``expert_offset .. expert_offset + E_local - 1``: tokens are routed over all E as
+            always, and only the held experts contribute (the caller sums the ranks' outputs).
 
     Returns:
         [T, H] in x.dtype.
@@ -86,16 +95,21 @@ def sparse_moe(
     t, hidden, _, _ = check_moe_args(
         x=x, router_weight=router_weight, experts_gate_up=experts_gate_up,
         experts_down=experts_down, top_k=top_k, shared=(shared_gate_proj, shared_up_proj,
-                                                        shared_down_proj, shared_expert_gate))
+                                                        shared_down_proj, shared_expert_gate),
+        expert_offset=expert_offset)
+    held, expert_offset = experts_gate_up.shape[0], expert_offset or 0
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     ids, weights = route(x, router_weight, top_k, norm_topk_prob, acc)
     # expert GEMMs in x's dtype (as transformers); the weighted sum over experts in fp32
     out = torch.zeros(t, hidden, dtype=acc, device=x.device)
     # Visit experts in ascending id, each over the tokens that picked it, so the sum order is fixed.
     for e in torch.unique(ids).tolist():
+        if not expert_offset <= e < expert_offset + held:
+            continue  # another rank's expert
         tok, slot = torch.where(ids == e)
-        act = silu_and_mul(x=F.linear(x[tok], experts_gate_up[e].to(x.dtype)))
-        contrib = F.linear(act, experts_down[e].to(x.dtype)).to(acc) * weights[tok, slot, None].to(acc)
+        local = e - expert_offset
+        act = silu_and_mul(x=F.linear(x[tok], experts_gate_up[local].to(x.dtype)))
+        contrib = F.linear(act, experts_down[local].to(x.dtype)).to(acc) * weights[tok, slot, None].to(acc)
         out.index_add_(0, tok, contrib)
     if shared_expert_gate is not None:
         out = out + shared_expert(x, shared_gate_proj, shared_up_proj, shared_down_proj,

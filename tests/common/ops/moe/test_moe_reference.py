@@ -77,3 +77,20 @@ def test_caller_mistakes_raise_value_error():
             x=x, router_weight=block.gate.weight, experts_gate_up=block.experts.gate_up_proj,
             experts_down=block.experts.down_proj, top_k=EXPERTS + 1, norm_topk_prob=True,
         )
+
+
+def test_expert_offset_held_experts_sum_to_all():
+    """Expert parallelism: each rank's call with its experts (routing over all of them) gives
+    that rank's share; the shares sum to the call with every expert."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, HIDDEN, generator=gen)
+    router = torch.randn(EXPERTS, HIDDEN, generator=gen)
+    gate_up = torch.randn(EXPERTS, 20, HIDDEN, generator=gen) * 0.3
+    down = torch.randn(EXPERTS, HIDDEN, 10, generator=gen) * 0.3
+    args = dict(x=x, router_weight=router, top_k=TOP_K, norm_topk_prob=True)
+    whole = sparse_moe(**args, experts_gate_up=gate_up, experts_down=down)
+    shares = [sparse_moe(**args, experts_gate_up=gate_up[lo:hi], experts_down=down[lo:hi],
+                         expert_offset=lo) for lo, hi in ((0, 3), (3, 6), (6, 9))]
+    torch.testing.assert_close(sum(shares), whole, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="are not all among the router's 9"):
+        sparse_moe(**args, experts_gate_up=gate_up[:3], experts_down=down[:3], expert_offset=7)

@@ -1,0 +1,143 @@
+"""Rank 0 drives, the other ranks follow: the messages of a tensor-parallel group.
+
+Rank 0 owns the whole engine (scheduler, pools' bookkeeping, sampling). The followers own only
+their shard of the model and of the pools, and do what rank 0 broadcasts, in order:
+
+- :class:`LoadModel`: build this rank's shard of a model and its pools;
+- :class:`RunForward`: one forward over a batch described by ``ForwardBatch.build``'s
+  arguments (token ids, prefix lengths, page ids, state slots), so each follower builds the same
+  indices rank 0 built and runs the same layers, meeting rank 0 in every collective;
+- :class:`CommitVerified`: fold the accepted prefix of the latest VERIFY forward into the GDN
+  state (DFLASH: rank 0 runs the draft and decides acceptance; the followers only verify and
+  commit);
+- :class:`Stop`: leave the loop.
+
+Tokens are decided once, on rank 0: a follower never samples, because the next forward's token
+ids arrive in its batch. No random state has to agree across ranks, and an unseeded request is
+as consistent as a seeded one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from common.cache.pools import CacheConfig, make_pools
+from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.parallel.group import TensorParallelGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """What a follower builds its shard from (rank 0's engine settings, less what only rank 0
+    uses). ``kernels``: a kernel set name (``--kernels``) or None for the model's default;
+    ``expert_parallel``: whole routed experts per rank."""
+
+    model: str
+    dtype: torch.dtype | None
+    kernels: str | None
+    cache: CacheConfig
+    expert_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class LoadModel:
+    settings: ShardSettings
+
+
+@dataclass(frozen=True)
+class RunForward:
+    batch_args: dict  # keyword arguments of ForwardBatch.build, less the device
+
+
+@dataclass(frozen=True)
+class CommitVerified:
+    accepted_lens: list[int]  # per request of the latest VERIFY forward
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+class FollowerLink:
+    """Rank 0's side: broadcasts each message to the followers (a no-op at world size 1)."""
+
+    def __init__(self, tp: TensorParallelGroup) -> None:
+        if not tp.is_leader:
+            raise ValueError(f"rank {tp.rank} follows; only rank 0 sends to the followers")
+        self.tp = tp
+
+    def load(self, settings: ShardSettings) -> None:
+        self.tp.broadcast_object(LoadModel(settings))
+
+    def forward(self, batch_args: dict) -> None:
+        self.tp.broadcast_object(RunForward(batch_args))
+
+    def commit(self, accepted_lens: list[int]) -> None:
+        self.tp.broadcast_object(CommitVerified(list(accepted_lens)))
+
+    def stop(self) -> None:
+        self.tp.broadcast_object(Stop())
+
+
+class Follower:
+    """A follower rank's shard of the model and pools, and the loop that runs rank 0's orders."""
+
+    def __init__(self, tp: TensorParallelGroup, device: str) -> None:
+        if tp.is_leader:
+            raise ValueError("rank 0 drives; it does not follow")
+        self.tp = tp
+        self.device = device
+        self.model = None
+        self.kv_pool = self.state_pool = None
+        self.last_batch: ForwardBatch | None = None  # what a CommitVerified refers to
+
+    def run(self) -> None:
+        """Handle messages until :class:`Stop`."""
+        while True:
+            message = self.tp.broadcast_object()
+            if isinstance(message, Stop):
+                return
+            if isinstance(message, LoadModel):
+                self.load(message.settings)
+            elif isinstance(message, RunForward):
+                self.forward(message.batch_args)
+            elif isinstance(message, CommitVerified):
+                self.commit(message.accepted_lens)
+            else:
+                raise TypeError(f"unknown message {type(message).__name__}")
+
+    def load(self, settings: ShardSettings) -> None:
+        from common.engine.factory import select_kernel_set
+        from common.model.load import load_model
+
+        self.model = self.kv_pool = self.state_pool = None  # the old shard goes first
+        self.model = load_model(settings.model, dtype=settings.dtype, device=self.device,
+                                kernels=select_kernel_set(settings.kernels, self.device),
+                                tp=self.tp, expert_parallel=settings.expert_parallel)
+        self.kv_pool, self.state_pool = make_pools(self.model, settings.cache, self.device)
+
+    def forward(self, batch_args: dict) -> None:
+        if self.model is None:
+            raise RuntimeError("a forward before any model was loaded")
+        batch = ForwardBatch.build(**batch_args, device=self.device)
+        if batch.mode == ForwardMode.EXTEND:
+            # NOTE: rank 0 zeroes a slot when it allocates it; a follower allocates nothing, so
+            # it zeroes the slot of every request that starts from no cached token instead
+            fresh = [slot for slot, p in zip(batch.state_slots.tolist(), batch.prefix_lens)
+                     if p == 0]
+            if fresh:
+                self.state_pool.conv[:, fresh] = 0
+                self.state_pool.ssm[:, fresh] = 0
+        self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
+        self.last_batch = batch
+
+    def commit(self, accepted_lens: list[int]) -> None:
+        if self.last_batch is None or self.last_batch.mode != ForwardMode.VERIFY:
+            raise RuntimeError("a commit without a VERIFY forward before it")
+        self.model.commit_verified(self.last_batch, accepted_lens, state_pool=self.state_pool)
