@@ -68,17 +68,24 @@ def _checkpoint_files(checkpoint_dir: Path) -> dict[Path, list[str]]:
     raise WeightLoadError(f"no {SINGLE_FILE} or {INDEX_FILE} in {checkpoint_dir}")
 
 
-def _iter_tensors(files: dict[Path, list[str]]
-                  ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(name, read) per tensor: each shard is opened once, and a tensor is read only when asked
-    for, so skipped tensors (vision tower, MTP) cost no I/O and at most one is held at a time."""
+def _each_tensor(files: dict[Path, list[str]]) -> Iterator[tuple[str, object]]:
+    """(name, the open shard holding it) per tensor, each shard opened once; a name the index
+    places in a shard that lacks it is an error."""
     for file, names in files.items():
         with safe_open(file, framework="pt") as f:
             keys = set(f.keys())
             for name in names:
                 if name not in keys:
                     raise WeightLoadError(f"checkpoint tensor {name!r} is not in {file.name}")
-                yield name, lambda name=name: f.get_tensor(name)
+                yield name, f
+
+
+def _iter_tensors(files: dict[Path, list[str]]
+                  ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(name, read) per tensor: a tensor is read only when asked for, so skipped tensors
+    (vision tower, MTP) cost no I/O and at most one is held at a time."""
+    for name, f in _each_tensor(files):
+        yield name, lambda name=name, f=f: f.get_tensor(name)
 
 
 class _ReadOnce:
@@ -103,13 +110,8 @@ class _ReadOnce:
 def _iter_slices(files: dict[Path, list[str]]) -> Iterator[tuple[str, object]]:
     """(name, safetensors slice) per tensor: nothing is read until a piece indexes the slice,
     and what was read is dropped when the next tensor comes."""
-    for file, names in files.items():
-        with safe_open(file, framework="pt") as f:
-            keys = set(f.keys())
-            for name in names:
-                if name not in keys:
-                    raise WeightLoadError(f"checkpoint tensor {name!r} is not in {file.name}")
-                yield name, _ReadOnce(f.get_slice(name))
+    for name, f in _each_tensor(files):
+        yield name, _ReadOnce(f.get_slice(name))
 
 
 def full_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
