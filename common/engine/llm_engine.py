@@ -10,8 +10,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from common.cache.pools import CacheConfig, make_pools  # noqa: F401 - re-exported
-from common.engine.cuda_graph import CudaGraphConfig, GraphRunner
+from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.errors import StepFailed, is_device_fault
+from common.engine.graph_policy import decode_graph_runner, graphs_apply
 from common.engine.model_runner import ModelRunner
 from common.engine.overlap import InFlight, OverlapDecoder
 from common.engine.request import Request
@@ -84,9 +85,11 @@ class LLMEngine:
                                  "vocabulary weights (draft_vocab)")
         self.kv_pool, self.state_pool = make_pools(model, config.cache, config.device)
         token_cap = self._graph_token_cap()
-        graphs_on = self._graphs_apply(token_cap)
+        graphs_on = graphs_apply(model, config, token_cap)
+        graphs = decode_graph_runner(model, config, self.kv_pool, self.state_pool,
+                                     token_cap) if graphs_on else None
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device,
-                                  graphs=self._decode_graphs(token_cap) if graphs_on else None)
+                                  graphs=graphs)
         sharded = model.tp.world_size > 1
         self.speculator = None if draft is None else DFlashSpeculator(
             model, draft, self.kv_pool, self.state_pool, block_size=block_size,
@@ -112,37 +115,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self._stepping: list[Request] = []  # requests of the step now running (for StepFailed)
 
-    def _graphs_apply(self, token_cap: int | None) -> bool:
-        """Whether this engine runs decode (and DFLASH) steps through graph runners
-        (``token_cap``: :meth:`_graph_token_cap`)."""
-        graphs, config = self.config.cuda_graph, self.config
-        on_gpu = torch.device(config.device).type == "cuda"
-        # a prefill worker never decodes: its requests leave after their first token
-        if not graphs.enabled or config.hold_after_prefill or (graphs.capture and not on_gpu):
-            return False
-        if self.model.tp.world_size > 1:
-            log.warning("CUDA graphs (and overlap scheduling) are off: they are not built for "
-                        "tensor parallelism yet; decode runs eagerly")
-            return False
-        if graphs.capture and token_cap == 0:
-            # an op reads the host at any size: no graph can replay it
-            log.warning("CUDA graphs are off: %s not capturable; decode runs eagerly",
-                        ", ".join(self.model.graph_support().not_capturable))
-            return False
-        return True
-
     def _graph_token_cap(self) -> int | None:
         """Most tokens one captured forward may hold, as the backends of the model's ops
         declare (``common/ops/graph_capabilities.py``; None: no limit; 0: an op no graph can
         replay)."""
         return self.model.graph_support().max_tokens
-
-    def _decode_graphs(self, token_cap: int | None) -> GraphRunner:
-        running = self.config.scheduler.max_running_requests
-        sizes = self.config.cuda_graph.batch_sizes(
-            running if token_cap is None else min(running, token_cap))
-        return GraphRunner(self.model, self.kv_pool, self.state_pool, batch_sizes=sizes,
-                           capture=self.config.cuda_graph.capture)
 
     def capture_cuda_graphs(self, progress: bool = True) -> None:
         """Capture the decode (and DFLASH verify) graphs; a no-op without them. Kernels must
