@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
-from common.rpc_wrap import Behavior, rewrap
+from common.rpc_wrap import Behavior, delegate, rewrap
 
 
 class _Refused:
@@ -62,20 +62,17 @@ def _wrap(behavior: Behavior, request_streaming: bool, response_streaming: bool)
     # a streaming behaviour written as a coroutine (context.write) is wrapped as one too
     response_streaming = response_streaming and not inspect.iscoroutinefunction(behavior)
     if request_streaming and response_streaming:
-        async def stream_stream(requests, context):
-            async for item in behavior(_checked(requests, context), context):
-                yield item
+        def stream_stream(requests, context):
+            return delegate(behavior(_checked(requests, context), context))
         return stream_stream
     if request_streaming:
         async def stream_unary(requests, context):
             return await behavior(_checked(requests, context), context)
         return stream_unary
     if response_streaming:
-        async def unary_stream(request, context):
-            if isinstance(request, _Refused):
-                await _refuse(request, context)
-            async for item in behavior(request, context):
-                yield item
+        def unary_stream(request, context):
+            refuse = _refuse(request, context) if isinstance(request, _Refused) else None
+            return delegate(behavior(request, context), refuse)
         return unary_stream
 
     async def unary_unary(request, context):

@@ -4,14 +4,16 @@ A ``grpc.RpcMethodHandler`` holds one behaviour of four kinds (unary or streamin
 response). ``rewrap`` gives a handler of the same kind, serializers kept, with the behaviour
 replaced by ``wrap(behaviour)`` and, when given, a different request deserializer.
 
-``grpc.aio`` decides how to run a behaviour by the kind of function it is, not by what it
-returns: a wrapper of a streaming-response behaviour must be an async generator function when
-the behaviour is one, and a coroutine function when the behaviour is (it then writes its
-messages with ``context.write``, as the health service's ``Watch`` does).
+``grpc.aio`` decides how to run a behaviour by the kind of function it is: a coroutine function
+writes its messages with ``context.write`` (as the health service's ``Watch`` does), and any
+other is iterated. A wrapper of a streaming-response behaviour is therefore a coroutine function
+when the behaviour is one, and otherwise returns an async iterator: ``delegate`` of the
+behaviour's, so that what is thrown in reaches the behaviour.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Callable
 
 import grpc
@@ -35,3 +37,39 @@ def rewrap(handler: grpc.RpcMethodHandler, wrap: Callable[[Behavior], Behavior],
     return factory(wrap(getattr(handler, attr)),
                    request_deserializer=request_deserializer or handler.request_deserializer,
                    response_serializer=handler.response_serializer)
+
+
+async def delegate(inner: AsyncIterator[Any],
+                   before: Awaitable[Any] | None = None) -> AsyncIterator[Any]:
+    """Await ``before`` (if any), then yield what ``inner`` yields, passing on what is thrown
+    in. A wrapper written ``async for item in inner: yield item`` would raise an exception
+    thrown into it (``athrow``) at its own yield, never in ``inner``, which is where a
+    behaviour handles it: the shutdown's expiry throws a CancelledError in at the yield a
+    streaming behaviour waits at (``common/shutdown.py``). Python has no ``yield from`` for
+    async generators; this is it. A wrapper returns ``delegate(...)`` from a plain function,
+    which gRPC runs as a streaming behaviour (it is not a coroutine function)."""
+    items = inner.__aiter__()
+    try:
+        if before is not None:
+            await before
+        try:
+            item = await items.__anext__()
+        except StopAsyncIteration:
+            return
+        while True:
+            try:
+                yield item
+            except GeneratorExit:
+                raise  # closed: the finally closes inner
+            except BaseException as exc:  # noqa: BLE001 - thrown in: inner decides
+                try:
+                    item = await items.athrow(exc)
+                except StopAsyncIteration:
+                    return
+            else:
+                try:
+                    item = await items.__anext__()
+                except StopAsyncIteration:
+                    return
+    finally:
+        await items.aclose()
