@@ -121,11 +121,17 @@ class ManagedProcess:
         return self._ready.is_set()
 
     @property
+    def scheme(self) -> str:
+        """Of its HTTP endpoints (metrics, the router's API): https when it was given a
+        certificate, as they serve TLS with it then."""
+        return "https" if "--tls-cert" in self.args else "http"
+
+    @property
     def metrics_url(self) -> str:
         """Where its Prometheus metrics are scraped ("" where it serves none): its metrics
         port, else the router's HTTP API."""
         address = self.metrics_address or self.http_address
-        return f"http://{address}/metrics" if address else ""
+        return f"{self.scheme}://{address}/metrics" if address else ""
 
     def stderr_tail(self, lines: int = 40) -> str:
         return "\n".join(list(self._stderr)[-lines:])
@@ -177,10 +183,10 @@ class Cluster:
 
     @property
     def http_url(self) -> str:
-        """``http://host:port`` of the router's HTTP API (``router_http_port`` set)."""
+        """``http(s)://host:port`` of the router's HTTP API (``router_http_port`` set)."""
         if self.router is None or not self.router.http_address:
             raise RuntimeError("the cluster's router serves no HTTP API")
-        return f"http://{self.router.http_address}"
+        return f"{self.router.scheme}://{self.router.http_address}"
 
     def worker_channel(self, address: str):
         """A channel to one of this cluster's workers that carries its internal token."""

@@ -128,7 +128,8 @@ def test_every_metrics_port_serves_https_to_a_scraper_with_a_certificate(cluster
     run_prompts(cluster, client(pki))
     for proc in [*cluster.workers, cluster.router]:
         # the router's are on its HTTP API, which serves TLS as its gRPC port does
-        url = f"https://{proc.metrics_address or proc.http_address}/metrics"
+        url = proc.metrics_url
+        assert url.startswith("https://"), url
         trusted = ssl.create_default_context(cafile=pki.ca)
         trusted.load_cert_chain(pki.client.cert, pki.client.key)
         with urllib.request.urlopen(url, context=trusted, timeout=10) as reply:
@@ -140,7 +141,8 @@ def test_every_metrics_port_serves_https_to_a_scraper_with_a_certificate(cluster
 
 
 def test_the_http_api_serves_https_with_the_key_and_a_client_certificate(cluster, pki):
-    url = f"https://{cluster.router.http_address}/v1/completions"
+    assert cluster.http_url.startswith("https://")
+    url = f"{cluster.http_url}/v1/completions"
     body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 10,
                        "temperature": 0, "ignore_eos": True}).encode()
 
