@@ -38,6 +38,12 @@ def graphs_apply(model: HybridForCausalLM, config: EngineConfig, token_cap: int 
         log.warning("CUDA graphs are off: %s not capturable; decode runs eagerly",
                     ", ".join(model.graph_support().not_capturable))
         return False
+    support = model.graph_support()
+    if graphs.capture and support.graph_attention is None:
+        log.warning("CUDA graphs are off: attention (paged_attention=%s, %s, head_dim %d) has "
+                    "no capturable planner; decode runs eagerly", support.attention_backend,
+                    model.get_input_embeddings().weight.dtype, model.config.head_dim)
+        return False
     return True
 
 

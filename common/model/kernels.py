@@ -62,11 +62,14 @@ class Kernels:
         fns = {op: registry.get(op, backend) for op, backend in chosen.items()}
         return cls(**fns, backends=tuple(chosen.items()))
 
-    def graph_support(self, ops: Iterable[str]) -> GraphSupport:
-        """What CUDA graphs may do with forwards calling ``ops``, as the chosen backends
-        declare (``common/ops/graph_capabilities.py``)."""
+    def graph_support(self, ops: Iterable[str], attention_dtype: torch.dtype | None = None,
+                      head_dim: int | None = None) -> GraphSupport:
+        """What CUDA graphs may do with forwards calling ``ops`` (attention in
+        ``attention_dtype`` over heads of ``head_dim``), as the chosen backends declare
+        (``common/ops/graph_capabilities.py``)."""
         chosen = dict(self.backends)
-        return graph_support({op: chosen.get(op, REFERENCE_BACKEND) for op in ops})
+        return graph_support({op: chosen.get(op, REFERENCE_BACKEND) for op in ops},
+                             attention_dtype, head_dim)
 
 
 # every op the model calls: the registry names of the Kernels fields

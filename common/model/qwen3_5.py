@@ -207,8 +207,10 @@ class HybridForCausalLM(nn.Module):
         cfg = self.config
         has_moe = any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
         # a model without an MoE layer never calls sparse_moe, whatever backend it holds
-        return self.kernels.graph_support(op for op in MODEL_OPS
-                                          if op != "sparse_moe" or has_moe)
+        return self.kernels.graph_support((op for op in MODEL_OPS
+                                           if op != "sparse_moe" or has_moe),
+                                          self.get_input_embeddings().weight.dtype,
+                                          cfg.head_dim)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -49,6 +49,20 @@ class GraphCapability:
     capturable: bool = True
     max_graph_tokens: int | None = None
     graph_attention: str | None = None
+    # what ``graph_attention`` handles (None: anything): outside them graph forwards plan
+    # attention on the host, so they run uncaptured
+    graph_dtypes: tuple[str, ...] | None = None
+    graph_head_dims: tuple[int, ...] | None = None
+
+    def plans_graphs_for(self, dtype: torch.dtype | None, head_dim: int | None) -> bool:
+        """Whether ``graph_attention`` runs attention of this dtype and head size (None: not
+        known, taken as yes)."""
+        if self.graph_attention is None:
+            return False
+        name = None if dtype is None else str(dtype).removeprefix("torch.")
+        return ((self.graph_dtypes is None or name is None or name in self.graph_dtypes)
+                and (self.graph_head_dims is None or head_dim is None
+                     or head_dim in self.graph_head_dims))
 
     def __post_init__(self) -> None:
         if self.max_graph_tokens is not None and self.max_graph_tokens < 1:
@@ -67,9 +81,12 @@ GRAPH_CAPABILITIES: dict[str, dict[str, GraphCapability]] = {
         # the op reads each row's lengths on the host; graphs can only run it uncaptured, with
         # the plan made on the host (common/ops/attention/planned.py)
         REFERENCE_BACKEND: GraphCapability(capturable=False),
-        # FlashInfer's CUDA-graph decode wrapper reads its page indices from buffers we own
+        # FlashInfer's CUDA-graph decode wrapper reads its page indices from buffers we own;
+        # its kernels exist for half precision and these head sizes only (the eager op then
+        # falls back to the reference, which graphs cannot capture)
         "flashinfer": GraphCapability(
-            graph_attention="common.ops.attention.flashinfer_graph:graph_attention"),
+            graph_attention="common.ops.attention.flashinfer_graph:graph_attention",
+            graph_dtypes=("float16", "bfloat16"), graph_head_dims=(64, 128, 256)),
     },
     "sparse_moe": {
         # groups tokens by expert on the host
@@ -153,9 +170,11 @@ class GraphSupport:
         return host_planned
 
 
-def graph_support(chosen: Mapping[str, str]) -> GraphSupport:
+def graph_support(chosen: Mapping[str, str], attention_dtype: torch.dtype | None = None,
+                  head_dim: int | None = None) -> GraphSupport:
     """What CUDA graphs may do with forwards calling the ops of ``chosen`` (op -> backend; the
-    attention op, if left out, is taken at its reference backend)."""
+    attention op, if left out, is taken at its reference backend), whose attention runs in
+    ``attention_dtype`` with heads of ``head_dim`` (None: not known)."""
     direct = {op: backend for op, backend in chosen.items() if op not in PLANNED_OPS}
     blocked = tuple(sorted(f"{op}={backend}" for op, backend in direct.items()
                            if not capability(op, backend).capturable))
@@ -163,6 +182,8 @@ def graph_support(chosen: Mapping[str, str]) -> GraphSupport:
     limits = [n for n in limits if n is not None]
     max_tokens = 0 if blocked else (min(limits) if limits else None)
     attention = chosen.get(PLANNED_OPS[0], REFERENCE_BACKEND)
+    cap = capability(PLANNED_OPS[0], attention)
     return GraphSupport(max_tokens=max_tokens, not_capturable=blocked,
                         attention_backend=attention,
-                        graph_attention=capability(PLANNED_OPS[0], attention).graph_attention)
+                        graph_attention=cap.graph_attention
+                        if cap.plans_graphs_for(attention_dtype, head_dim) else None)

@@ -123,13 +123,15 @@ def test_dflash_steps_report_the_targets_logprobs(tiny, proposals):
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_draft", [False, True], ids=["plain", "dflash"])
 def test_graph_replay_and_overlap_on_a_gpu(with_draft):
-    """The built-in model on a GPU with its kernels: decode steps replayed from CUDA graphs
-    and overlapped (DFLASH steps from their graphs), a request without log-probabilities
-    running first, against log_softmax of one plain forward on the same GPU."""
+    """The trained built-in pair on a GPU with its kernels: decode steps replayed from CUDA
+    graphs and overlapped (DFLASH steps from their graphs), a request without
+    log-probabilities running first, against log_softmax of one plain forward on the same GPU.
+    (``pycoder``, bf16 with 128-dim heads, because FlashInfer's graph attention has no float32
+    kernels: the float32 ``tiny`` decodes eagerly on a GPU.)"""
     from common.model.kernels import select_kernels
 
-    model = load_model("tiny", device="cuda", kernels=select_kernels("gpu"))
-    draft = load_draft("tiny", model) if with_draft else None
+    model = load_model("pycoder", device="cuda", kernels=select_kernels("gpu"))
+    draft = load_draft("pycoder", model) if with_draft else None
     engine = LLMEngine(model, EngineConfig(
         cache=CACHE, device="cuda", scheduler=SchedulerConfig(max_running_requests=8),
         cuda_graph=CudaGraphConfig(max_batch_size=8)), draft=draft)
@@ -148,7 +150,7 @@ def test_graph_replay_and_overlap_on_a_gpu(with_draft):
         reference = raw_logprobs(model, req.prompt_ids, req.output_ids)
         assert len(req.logprobs) == len(req.output_ids)
         for j, (token, lp) in enumerate(zip(req.output_ids, req.logprobs)):
-            # the decode and prefill kernels round differently: a bound well under the gaps
-            # between positions' distributions
-            assert abs(lp.logprob - reference[j, token].item()) <= 5e-3, j
-            assert all(abs(reference[j, t].item() - v) <= 5e-3 for t, v in lp.top), j
+            # the decode and prefill kernels round differently in bf16: a bound well under
+            # the gaps between positions' distributions
+            assert abs(lp.logprob - reference[j, token].item()) <= 0.15, j
+            assert all(abs(reference[j, t].item() - v) <= 0.15 for t, v in lp.top), j

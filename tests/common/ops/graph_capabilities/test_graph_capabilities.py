@@ -43,6 +43,39 @@ def test_the_gpu_sets_capture_moe_up_to_its_dense_limit():
     assert graph_support(_chosen("gpu", moe=False)).max_tokens is None
 
 
+def test_graph_attention_needs_a_dtype_and_head_size_its_kernels_have():
+    chosen = _chosen("gpu")
+    for dtype, head_dim in ((torch.bfloat16, 128), (torch.float16, 256), (None, None)):
+        assert graph_support(chosen, dtype, head_dim).graph_attention is not None
+    # FlashInfer has no float32 kernels and none for 32-dim heads: its eager op falls back to
+    # the reference, and graph forwards plan on the host (so they are not captured)
+    for dtype, head_dim in ((torch.float32, 128), (torch.bfloat16, 32)):
+        support = graph_support(chosen, dtype, head_dim)
+        assert support.graph_attention is None and support.attention_backend == "flashinfer"
+
+
+def test_graphs_stay_off_where_attention_cannot_be_captured(caplog):
+    """The built-in tiny model is float32 with 32-dim heads: on a GPU its decode runs eagerly
+    (with a warning) instead of failing to capture."""
+    import dataclasses
+
+    from common.engine.cuda_graph import CudaGraphConfig
+    from common.engine.graph_policy import graphs_apply
+    from common.engine.llm_engine import EngineConfig
+    from common.model.load import load_model
+
+    model = load_model("tiny")
+    # the gpu set's names, without resolving (importing) its GPU libraries on this machine
+    model.kernels = dataclasses.replace(model.kernels, backends=tuple(_chosen("gpu").items()))
+    config = EngineConfig(device="cuda", cuda_graph=CudaGraphConfig(max_batch_size=4))
+    assert not graphs_apply(model, config, model.graph_support().max_tokens)
+    assert "no capturable planner" in caplog.text
+    # uncaptured graph buffers (what the CPU tests run) still apply
+    eager = EngineConfig(device="cuda", cuda_graph=CudaGraphConfig(max_batch_size=4,
+                                                                   capture=False))
+    assert graphs_apply(model, eager, model.graph_support().max_tokens)
+
+
 def test_the_reference_set_is_not_capturable():
     support = graph_support(_chosen("reference"))
     assert support.max_tokens == 0 and support.not_capturable == ("sparse_moe=reference",)
