@@ -342,7 +342,7 @@ def run(mib: float = 128, repeats: int = 7, cases: list[StreamCase] | None = Non
     cases = default_cases() if cases is None else cases
     nbytes = int(mib * MIB)
     src = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy())
-    largest = max(c.message_bytes for c in cases)
+    largest = max((c.message_bytes for c in cases), default=MIB)
     rows = []
     with Receiver("tcp", nbytes, 0) as tcp, Receiver("grpc", nbytes, largest) as receiver:
         measure_tcp(tcp.address, src, 1, 1)  # warm-up

@@ -6,6 +6,9 @@ prompt lengths 128..32k, and prints the rate next to a plain in-memory copy of t
 The model itself is not run: the decode side holds real pools and a weightless (meta) model, so
 what is timed is exactly the handoff (chunking, gRPC, checksums, validation, landing in pools).
 
+Each ``--transports`` value is measured: ``stream`` (chunks in the gRPC stream) and ``tcp``
+(header and trailer on the stream, chunks on a TCP connection to the service's listener).
+
 Then, in the same run, the byte path beneath it (``benchmarks/byte_path.py``): raw TCP loopback
 against gRPC client streams of 1/4/16 MiB messages on 1/2/4 streams, protobuf-built against
 pre-encoded messages, the copies per message and CRC-32C against CRC-32; its table is last.
@@ -97,10 +100,11 @@ def copy_seconds(payload: HandoffPayload, repeats: int) -> float:
     return best
 
 
-def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> Iterator[bytes]:
-    """The payload's messages as the prefill worker makes them: the header and trailer through
-    protobuf, every layer's bytes encoded straight from tensor memory into chunks with their
-    checksums (``prefill_service/state_reader.py``), made as they are pulled."""
+def encoded_parts(payload: HandoffPayload, chunk_bytes: int):
+    """``(header message, chunk messages made as they are pulled, trailer of a count of TCP
+    chunks)`` as the prefill worker makes them: header and trailer through protobuf, every
+    layer's bytes encoded straight from tensor memory into chunks with their checksums
+    (``prefill_service/state_reader.py``)."""
     from common import convert
     from common.handoff.parts import TrailerPart
     from common.handoff.stream import header_of
@@ -108,24 +112,71 @@ def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> Iterator[byte
 
     header = header_of(payload)
     ledgers = new_ledgers(header.manifest)
-    yield convert.handoff_part_to_pb(header).SerializeToString()
-    for name, tensor in payload.fields.items():
-        flat = tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
-        for layer in range(tensor.shape[0]):
-            yield from encode_layer(name, layer, 0, memoryview(flat[layer]), ledgers,
-                                    chunk_bytes)
-    trailer = TrailerPart(fold_checksums(header.manifest, ledgers), payload.first_token)
-    yield convert.handoff_part_to_pb(trailer).SerializeToString()
+
+    def chunks() -> Iterator[bytes]:
+        for name, tensor in payload.fields.items():
+            flat = tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
+            for layer in range(tensor.shape[0]):
+                yield from encode_layer(name, layer, 0, memoryview(flat[layer]), ledgers,
+                                        chunk_bytes)
+
+    def trailer(tcp_chunks: int = 0) -> bytes:
+        part = TrailerPart(fold_checksums(header.manifest, ledgers), payload.first_token,
+                           tcp_chunks=tcp_chunks)
+        return convert.handoff_part_to_pb(part).SerializeToString()
+
+    return convert.handoff_part_to_pb(header).SerializeToString(), chunks(), trailer
+
+
+def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> Iterator[bytes]:
+    """Every message of the payload's handoff on the stream, made as they are pulled."""
+    header, chunks, trailer = encoded_parts(payload, chunk_bytes)
+    yield header
+    yield from chunks
+    yield trailer()
+
+
+async def send_over_tcp(handoff, payload: HandoffPayload, chunk_bytes: int, connections,
+                        host: str, executor, num_connections: int) -> None:
+    """The ``tcp`` transport as the prefill worker runs it: header and trailer on the call,
+    the chunks written as frames on a sender thread (``prefill_service/tcp_connections.py``)."""
+    from prefill_service.handoff_sender import _reply
+
+    header, chunks, trailer = encoded_parts(payload, chunk_bytes)
+    call = handoff(timeout=600.0)
+    await call.write(header)
+    accepted = (await _reply(call, "accepted")).accepted
+    if not accepted.tcp_port:
+        raise RuntimeError("the decode service offered no TCP listener")
+
+    def send() -> int:
+        held = [connections.acquire(host, accepted.tcp_port) for _ in range(num_connections)]
+        count = 0
+        for message in chunks:
+            held[count % len(held)].submit(accepted.tcp_ticket, message)
+            count += 1
+        for connection in held:
+            connection.flush()
+            connections.release(connection)
+        return count
+
+    count = await asyncio.get_running_loop().run_in_executor(executor, send)
+    await call.write(trailer(count))
+    await call.done_writing()
+    await _reply(call, "ack")
 
 
 async def measure(address: str, config: ModelConfig, lengths, repeats: int,
-                  chunk_bytes: int) -> list[dict]:
+                  chunk_bytes: int, transport: str, tcp_connections: int = 2) -> list[dict]:
     from common.channels import ChannelSecurity, make_channel
+    from common.handoff.tcp_frames import tcp_host
     from common.pb.flashsplit.v1 import decode_pb2
     from prefill_service.handoff_sender import HANDOFF_METHOD, send_handoff
+    from prefill_service.tcp_connections import TcpConnections
 
     rows = []
     executor = ThreadPoolExecutor(max_workers=1)
+    connections = TcpConnections(None)
     async with make_channel(address, ChannelSecurity()) as channel:
         handoff = channel.stream_stream(HANDOFF_METHOD, request_serializer=None,
                                         response_deserializer=decode_pb2.HandoffReply.FromString)
@@ -138,20 +189,26 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
             for _ in range(repeats):
                 payload = make_payload(config, n)  # a fresh handoff id each time
                 start = time.perf_counter()
-                # encoded on a thread while the loop writes, as the prefill worker does
-                await send_handoff(Stub, encoded_messages(payload, chunk_bytes), 600.0,
-                                   executor)
+                if transport == "tcp":
+                    await send_over_tcp(handoff, payload, chunk_bytes, connections,
+                                        tcp_host(address), executor, tcp_connections)
+                else:  # encoded on a thread while the loop writes, as the prefill worker does
+                    await send_handoff(Stub, encoded_messages(payload, chunk_bytes), 600.0,
+                                       executor)
                 best = min(best, time.perf_counter() - start)
             nbytes = sum(t.numel() * t.element_size() for t in payload.fields.values())
             copy_s = copy_seconds(payload, repeats)
-            rows.append({"prompt_len": n, "bytes": nbytes, "handoff_s": best,
-                         "handoff_MBps": nbytes / best / 1e6, "memcpy_s": copy_s,
-                         "memcpy_MBps": nbytes / copy_s / 1e6,
+            label = f"tcp x{tcp_connections}" if transport == "tcp" else transport
+            rows.append({"transport": label, "prompt_len": n, "bytes": nbytes,
+                         "handoff_s": best, "handoff_MBps": nbytes / best / 1e6,
+                         "memcpy_s": copy_s, "memcpy_MBps": nbytes / copy_s / 1e6,
                          "slowdown_vs_memcpy": best / copy_s})
+    connections.close()
     return rows
 
 
-def run_shape(shape: str, lengths, repeats: int) -> list[dict]:
+def run_shape(shape: str, lengths, repeats: int, transports,
+              tcp_connections: list[int]) -> list[dict]:
     from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES
 
     config = config_for(shape)
@@ -162,8 +219,11 @@ def run_shape(shape: str, lengths, repeats: int) -> list[dict]:
         line = server.stdout.readline()
         if "listening on" not in line:
             raise RuntimeError(f"decode server for {shape} did not start: {line!r}")
-        rows = asyncio.run(measure(line.split()[-1], config, lengths, repeats,
-                                   DEFAULT_CHUNK_BYTES))
+        rows = []
+        for transport in transports:
+            for n in tcp_connections if transport == "tcp" else [0]:
+                rows += asyncio.run(measure(line.split()[-1], config, lengths, repeats,
+                                            DEFAULT_CHUNK_BYTES, transport, n))
     finally:
         server.terminate()
         server.wait()
@@ -176,9 +236,17 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated: tiny,{','.join(SHAPES)}")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--transports", default="stream,tcp",
+                   help="comma-separated: stream (chunks in the gRPC stream), tcp (chunks on "
+                        "TCP connections beside it)")
+    p.add_argument("--tcp-connections", default="1,2",
+                   help="comma-separated connection counts per handoff to measure for tcp")
     p.add_argument("--out", default="out/handoff.json")
     p.add_argument("--byte-path-mib", type=float, default=128,
                    help="MiB per transfer in the byte-path measurement (0: skip it)")
+    p.add_argument("--raw-tcp-only", action="store_true",
+                   help="in the byte-path measurement, only raw TCP (the baseline), not the "
+                        "gRPC cases")
     p.add_argument("--byte-path-only", action="store_true",
                    help="measure only the byte path, not whole handoffs")
     p.add_argument("--serve", help=argparse.SUPPRESS)
@@ -191,30 +259,37 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if not args.byte_path_only:
         for shape in args.shapes.split(","):
-            rows += run_shape(shape, lengths, args.repeats)
-    transport = (byte_path.run(args.byte_path_mib, max(args.repeats, 7))
+            rows += run_shape(shape, lengths, args.repeats, args.transports.split(","),
+                              [int(n) for n in args.tcp_connections.split(",")])
+    transport = (byte_path.run(args.byte_path_mib, max(args.repeats, 7),
+                               [] if args.raw_tcp_only else None)
                  if args.byte_path_mib > 0 else None)
+    # against one raw connection: each handoff travels on one (stream or TCP)
+    raw = (next(t["GBps"] for t in transport["transfers"] if t.get("connections") == 1)
+           * 1e3 if transport else None)
+    for r in rows:
+        r["x_raw_tcp"] = r["handoff_MBps"] / raw if raw else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows,
                                "byte_path": transport}, indent=2))
-    if rows:
-        raw = transport["raw_tcp_GBps"] * 1e3 if transport else None
-        for r in rows:
-            r["x_raw_tcp"] = r["handoff_MBps"] / raw if raw else None
-        print_rows(rows)
     if transport is not None:
         byte_path.print_tables(transport)
+    if rows:
+        print(f"\nwhole handoffs ('x raw TCP': against one raw TCP connection, "
+              f"{raw / 1e3:.2f} GB/s, in this run)" if raw else "")
+        print_rows(rows)
     print(f"wrote {out}")
     return 0
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'shape':<12} {'prompt':>7} {'MiB':>9} {'handoff ms':>11} {'MB/s':>8} "
+    print(f"{'shape':<12} {'via':<8} {'prompt':>7} {'MiB':>9} {'handoff ms':>11} {'MB/s':>8} "
           f"{'memcpy MB/s':>12} {'x memcpy':>9} {'x raw TCP':>9}")
     for r in rows:
         x_raw = "" if r.get("x_raw_tcp") is None else f"{r['x_raw_tcp']:.2f}"
-        print(f"{r['shape']:<12} {r['prompt_len']:>7} {r['bytes'] / 2**20:>9.2f} "
+        print(f"{r['shape']:<12} {r['transport']:<8} {r['prompt_len']:>7} "
+              f"{r['bytes'] / 2**20:>9.2f} "
               f"{r['handoff_s'] * 1e3:>11.1f} {r['handoff_MBps']:>8.0f} "
               f"{r['memcpy_MBps']:>12.0f} {r['slowdown_vs_memcpy']:>9.1f} {x_raw:>9}")
 

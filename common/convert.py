@@ -183,7 +183,8 @@ def handoff_part_to_pb(part: HandoffPart) -> decode_pb2.HandoffMessage:
             field=part.field, src_index=list(part.src_index), dst_start=part.dst_start))
     if isinstance(part, TrailerPart):
         trailer = decode_pb2.HandoffTrailer(crc32c=dict(part.checksums),
-                                            first_token=part.first_token)
+                                            first_token=part.first_token,
+                                            tcp_chunks=part.tcp_chunks)
         if part.first_logprobs is not None:
             trailer.first_token_logprobs.CopyFrom(logprobs_to_pb(part.first_logprobs))
         return decode_pb2.HandoffMessage(trailer=trailer)
@@ -208,7 +209,7 @@ def handoff_part_from_pb(msg: decode_pb2.HandoffMessage) -> HandoffPart:
             raise HandoffError("INVALID_ARGUMENT", f"trailer: {err}") from None
         return TrailerPart(checksums=dict(t.crc32c),
                            first_token=t.first_token if t.HasField("first_token") else None,
-                           first_logprobs=first_logprobs)
+                           first_logprobs=first_logprobs, tcp_chunks=t.tcp_chunks)
     if kind != "header":
         raise HandoffError("INVALID_ARGUMENT", "handoff message carries no part")
     h = msg.header

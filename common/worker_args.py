@@ -19,9 +19,9 @@ from common.metrics.tls import metrics_ssl_context
 from common.model.registry import DEFAULT_MODEL
 from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig
+from common.handoff.transports import HANDOFF_TRANSPORTS, shares_pools
 
 
-HANDOFF_TRANSPORTS = ("auto", "stream", "device")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -31,10 +31,14 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint directory, or a built-in name: 'pycoder' (trained, ships in "
                         "the tree) or 'tiny' (random, for tests)")
     p.add_argument("--handoff-transport", choices=HANDOFF_TRANSPORTS, default="auto",
-                   help="how prompt state moves from prefill to decode: 'stream' (gRPC bytes, "
-                        "works anywhere), 'device' (same host: the decode worker copies out of "
-                        "the prefill worker's pools through CUDA IPC or shared memory), 'auto' "
-                        "(device where both ends can, else stream) (default: %(default)s)")
+                   help="how prompt state moves from prefill to decode: 'stream' (bytes in "
+                        "the gRPC stream, works anywhere), 'tcp' (bytes on a TCP connection "
+                        "to the decode worker's --handoff-port beside the gRPC stream; "
+                        "plaintext, so not with TLS), 'device' (same host: the decode worker "
+                        "copies out of the prefill worker's pools through CUDA IPC or shared "
+                        "memory), 'auto' (device where both ends can, else tcp where the "
+                        "listener is reachable and TLS is off, else stream) "
+                        "(default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the config's)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -141,7 +145,7 @@ def pool_request_from_args(args: argparse.Namespace, config: EngineConfig, *,
                        num_slots=args.num_slots,
                        default_slots=config.scheduler.max_running_requests + 1,
                        min_pages=min_pages(config),
-                       copied_at_start=prefill and args.handoff_transport != "stream")
+                       copied_at_start=prefill and shares_pools(args.handoff_transport))
 
 
 def dtype_from_args(args: argparse.Namespace) -> torch.dtype | None:
@@ -163,6 +167,9 @@ def run_worker(args: argparse.Namespace, serve) -> int:
         security.internal_server()  # its flag combinations are checked before the model loads
         if args.metrics_port is not None:  # its TLS files are checked before the model loads
             metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca)
+        if args.handoff_transport == "tcp" and security.tls is not None:
+            raise ValueError("--handoff-transport tcp sends the state in plaintext: it cannot "
+                             "be used with TLS (use auto, which then streams, or stream)")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

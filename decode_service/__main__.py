@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from common.cli_help import HelpFormatter, description
@@ -15,6 +16,7 @@ from common.worker_args import add_worker_args, engine_settings_from_args, run_w
 from decode_service.server import build_decode_service
 
 SERVICE_NAME = "flashsplit.v1.Decode"
+log = logging.getLogger("flashsplit-decode")
 
 
 async def serve(args: argparse.Namespace, security: Security) -> int:
@@ -29,14 +31,18 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                                    max_handoff_bytes=args.max_handoff_bytes,
                                    security=server_security,
                                    transport=args.handoff_transport,
-                                   idle_timeout_s=args.handoff_idle_timeout)
+                                   idle_timeout_s=args.handoff_idle_timeout,
+                                   handoff_port=args.handoff_port)
     start_metrics(metrics_server, service.engine.metrics.registry, "flashsplit-decode")
+    if service.tcp is not None:
+        log.info("handoff chunks over TCP: listening on port %d", service.tcp.port)
     try:
         return await serve_until_signal(
             service.server, service.health, [SERVICE_NAME],
             f"flashsplit-decode listening on {service.address}", grace=args.grace,
             shutdown=service.shutdown, engine=service.engine)
     finally:
+        service.close_tcp()
         service.engine.stop()
         if metrics_server is not None:
             metrics_server.stop()
@@ -48,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_args(parser)
     parser.add_argument("--max-handoff-bytes", type=int, default=8 << 30,
                         help="largest handoff payload accepted (default: %(default)s)")
+    parser.add_argument("--handoff-port", type=int, default=0,
+                        help="TCP port of the listener that takes handoff chunks beside the "
+                             "gRPC stream (--handoff-transport auto or tcp); 0 picks a free "
+                             "one (it is printed)")
     parser.add_argument("--handoff-idle-timeout", type=float, default=60.0,
                         help="seconds a handoff may send nothing before its room is released "
                              "(default: %(default)s)")

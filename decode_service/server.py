@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,11 +25,14 @@ from common.load_report import LoadReport
 from common.logging_setup import bind_request_id
 from common.security import ServerSecurity
 from common.shutdown import GracefulShutdown
+from common.handoff.transports import shares_pools, takes_tcp
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from decode_service.chunk_landings import ChunkLandings
 from decode_service.engine import DecodeEngine
 from decode_service.peer_pools import PeerPools
 from decode_service.streams import TokenStreams
+from decode_service.tcp_feed import TcpFeed
+from decode_service.tcp_listener import TcpHandoffListener
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +41,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: DecodeEngine, streams: TokenStreams, layout: LayoutDescriptor,
                  fingerprint: str, address: str, max_handoff_bytes: int,
                  shutdown: GracefulShutdown | None = None,
-                 transport: str = "auto", idle_timeout_s: float = 60.0) -> None:
+                 transport: str = "auto", idle_timeout_s: float = 60.0,
+                 tcp: TcpHandoffListener | None = None) -> None:
         self.engine = engine
         # longer than any wait between two parts of a live handoff: a prompt queued on its
         # prefill worker, or the longest prefill chunk
         self.idle_timeout_s = idle_timeout_s
         # "stream" takes bytes only; "auto" and "device" open a same-host sender's pools
-        self.peers = PeerPools(transport != "stream", engine.pools)
+        self.peers = PeerPools(shares_pools(transport), engine.pools)
+        # where chunks may come beside the stream ("auto" and "tcp"; None: on the stream only)
+        self.tcp = tcp
         self.shutdown = shutdown or GracefulShutdown("decode worker")
         self.streams = streams
         self.layout = layout
@@ -77,9 +84,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         loop = asyncio.get_running_loop()
         landings = ChunkLandings(assembler, self.writer)
         reservation = None
+        feed: TcpFeed | None = None  # when the chunks come over TCP
         began = time.perf_counter()  # the header is the call's first message
         try:
-            async for message in _until_idle(request_iterator, self.idle_timeout_s):
+            async for message in _until_idle(
+                    request_iterator, self.idle_timeout_s,
+                    lambda: feed.last_frame if feed is not None else None):
                 raw = decode_chunk(message)
                 part = _handoff_part(message, raw)
                 if isinstance(part, HeaderPart):
@@ -89,20 +99,39 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                                         part.source_pools)
                     assembler.start(part, await self._reserve(part, source),
                                     pool_copies=source is not None)
+                    accepted = decode_pb2.HandoffAccepted(handoff_id=part.handoff_id,
+                                                          pool_copies=source is not None)
+                    if source is None and self.tcp is not None:
+                        feed = TcpFeed(self.tcp.offer(loop), landings)
+                        feed.start()
+                        accepted.tcp_port, accepted.tcp_ticket = feed.offer.port, \
+                            feed.offer.ticket
                     # room is held: only now does the sender prefill and write the payload
-                    yield decode_pb2.HandoffReply(accepted=decode_pb2.HandoffAccepted(
-                        handoff_id=part.handoff_id, pool_copies=source is not None))
+                    yield decode_pb2.HandoffReply(accepted=accepted)
                     continue
                 header = assembler.header
                 if header is not None and self.streams.is_aborted(header.handoff_id):
                     raise HandoffError("ABORTED", f"handoff {header.handoff_id} was aborted")
                 if isinstance(part, ChunkPart):
+                    if feed is not None:
+                        if feed.active:
+                            raise HandoffError("INVALID_ARGUMENT", "chunks on the stream and "
+                                               "over TCP in one handoff")
+                        # the sender could not reach our listener: its bytes come here
+                        await feed.stop()
+                        feed.offer.withdraw()  # frames after this are dropped
+                        feed = None
                     # checksum and copy on writer threads while the next chunks arrive: other
                     # handoffs and token streams share the event loop
                     await landings.add(part, message, raw)
                 elif isinstance(part, PoolCopyPart):
                     await loop.run_in_executor(self.writer, assembler.on_part, part)
                 else:
+                    if part.tcp_chunks and feed is None:
+                        raise HandoffError("INVALID_ARGUMENT", "the trailer counts TCP chunks, "
+                                           "but this handoff was not offered TCP")
+                    if feed is not None:
+                        await feed.wait_for(part.tcp_chunks, self.idle_timeout_s)
                     await landings.drain()  # the trailer's checks need every chunk's CRC
                     assembler.on_part(part)
             await landings.drain()
@@ -112,6 +141,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                                         assembler.first_logprobs))
         except HandoffError as exc:
             self.metrics.handoff_ended(exc.code)
+            if feed is not None:
+                await feed.stop()
+                feed.offer.withdraw()  # its frames still coming are dropped, never block
             await landings.settle()
             if reservation is not None:
                 reservation.release()
@@ -128,11 +160,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # cancelled by the sender, or a bug: either way free what was held, once no
             # writer thread still lands bytes in it
             self.metrics.handoff_ended("UNKNOWN" if isinstance(exc, Exception) else "CANCELLED")
+            if feed is not None:
+                await asyncio.shield(feed.stop())
+                feed.offer.withdraw()
             await landings.settle()
             if reservation is not None:
                 reservation.release()
             assembler.abort()
             raise
+        finally:
+            if feed is not None:
+                feed.offer.withdraw()
         self.metrics.handoff_admitted(assembler.bytes_received, time.perf_counter() - began)
         log.info("handoff %016x admitted: %d prompt tokens, %d bytes",
                  assembler.header.handoff_id, assembler.header.prompt_len,
@@ -215,10 +253,16 @@ class DecodeService:
     engine: DecodeEngine
     address: str
     shutdown: GracefulShutdown
+    tcp: TcpHandoffListener | None = None  # the tcp transport's listener
 
     async def stop(self) -> None:
         await self.server.stop(0)
+        self.close_tcp()
         self.engine.stop()
+
+    def close_tcp(self) -> None:
+        if self.tcp is not None:
+            self.tcp.close()
 
 
 def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: str, *,
@@ -226,7 +270,8 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
                          max_handoff_bytes: int = 8 << 30,
                          security: ServerSecurity = ServerSecurity(),
                          transport: str = "auto",
-                         idle_timeout_s: float = 60.0) -> DecodeService:
+                         idle_timeout_s: float = 60.0,
+                         handoff_port: int = 0) -> DecodeService:
     """Engine thread (started), token streams and servicer on a bound server that demands
     ``security`` (docs/security.md). Call from the event loop that will serve it: the streams
     post engine events to that loop. Raises OSError when the port cannot be bound."""
@@ -234,28 +279,48 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
     shutdown = GracefulShutdown("decode worker")
     server, health = make_server([*security.interceptors(), shutdown.interceptor()])
     address = bind(server, host, port, security.credentials())
+    tcp = None
+    if takes_tcp(transport):
+        if security.tls is not None:
+            if transport == "tcp":
+                raise ValueError("--handoff-transport tcp sends plaintext: it cannot be used "
+                                 "with --tls-cert (use auto or stream)")
+        else:
+            tcp = TcpHandoffListener(host, handoff_port, security.accepts)
     streams = TokenStreams(asyncio.get_running_loop())
     engine = DecodeEngine(llm, streams.post)
     engine.start()
     add_decode_servicer(DecodeServicer(engine, streams, layout, fingerprint, address,
                                        max_handoff_bytes=max_handoff_bytes, shutdown=shutdown,
-                                       transport=transport, idle_timeout_s=idle_timeout_s),
+                                       transport=transport, idle_timeout_s=idle_timeout_s,
+                                       tcp=tcp),
                         server)
-    return DecodeService(server, health, engine, address, shutdown)
+    return DecodeService(server, health, engine, address, shutdown, tcp)
 
 
-async def _until_idle(messages, timeout_s: float):
+async def _until_idle(messages, timeout_s: float,
+                      last_frame: Callable[[], float | None] = lambda: None):
     """``messages``, ending the handoff with DEADLINE_EXCEEDED when the sender sends nothing
-    for ``timeout_s``: a header whose payload never comes must not hold its room for ever."""
+    for ``timeout_s``: a header whose payload never comes must not hold its room for ever.
+    ``last_frame()`` is when the handoff's latest chunk came over TCP (None: none did): a
+    stream that is quiet while its chunks arrive there is not idle."""
     iterator = messages.__aiter__()
     while True:
+        pending = asyncio.ensure_future(iterator.__anext__())
         try:
-            message = await asyncio.wait_for(iterator.__anext__(), timeout_s)
+            while not (await asyncio.wait({pending}, timeout=timeout_s))[0]:
+                last = last_frame()
+                if last is None or time.monotonic() - last >= timeout_s:
+                    raise HandoffError("DEADLINE_EXCEEDED", f"the sender sent nothing for "
+                                       f"{timeout_s} s; the room held for the handoff is "
+                                       "released")
+        finally:
+            if not pending.done():
+                pending.cancel()
+        try:
+            message = pending.result()
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
-            raise HandoffError("DEADLINE_EXCEEDED", f"the sender sent nothing for {timeout_s} s; "
-                               "the room held for the handoff is released") from None
         yield message
 
 

@@ -13,6 +13,7 @@ from common.metrics.tls import metrics_ssl_context
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
 from common.security import Security
 from common.shutdown import GracefulShutdown
+from common.handoff.transports import shares_pools
 from common.worker_args import add_worker_args, engine_settings_from_args, run_worker
 from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
@@ -35,7 +36,7 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     built = build_engine(engine_settings_from_args(args, prefill=True))
     llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
     # before the engine thread starts: the pools move into memory decode workers can open
-    shared = SharedPools(llm) if args.handoff_transport != "stream" else None
+    shared = SharedPools(llm) if shares_pools(args.handoff_transport) else None
     engine = PrefillEngine(llm, layout, fingerprint)
     engine.start()
     # the token goes with every handoff: decode workers take handoffs from cluster members only
@@ -43,7 +44,8 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                          model_layers=ModelLayers(layout.full_attention_layers,
                                                   layout.gdn_layers))
     sender = HandoffSender(reader, security=security.internal_channel(),
-                           transport=args.handoff_transport, shared=shared)
+                           transport=args.handoff_transport, shared=shared,
+                           tcp_connections=args.handoff_tcp_connections)
     servicer = PrefillServicer(engine, sender, address, llm.model.config.vocab_size,
                                llm.eos_token_ids)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
@@ -68,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_args(parser)
     parser.add_argument("--handoff-chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                         help="largest handoff message payload (default: %(default)s)")
+    parser.add_argument("--handoff-tcp-connections", type=int, default=1,
+                        help="TCP connections one handoff spreads its chunks over (the tcp "
+                             "transport; a second one gained nothing on a 2-core or a "
+                             "16-core host, docs/protocol.md) (default: %(default)s)")
     return parser
 
 

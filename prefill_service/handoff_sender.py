@@ -15,12 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from common import convert
+from common.auth import TOKEN_HEADER
 from common.channels import ChannelSecurity, make_channel
+from common.handoff.tcp_frames import tcp_host
+from common.handoff.transports import shares_pools, takes_tcp
 from common.handoff.parts import HeaderPart, PoolCopyPart, TrailerPart
 from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc
@@ -29,6 +34,9 @@ from prefill_service.message_feed import feed_from_thread
 from prefill_service.shared_pools import SharedPools
 from prefill_service.state_reader import (PromptShape, StateReader, fold_checksums,
                                           new_ledgers)
+from prefill_service.tcp_connections import TcpConnection, TcpConnections
+
+log = logging.getLogger(__name__)
 
 HANDOFF_METHOD = "/flashsplit.v1.Decode/Handoff"
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -72,7 +80,8 @@ async def send_handoff(stub: decode_pb2_grpc.DecodeStub, messages,
 
 
 class HandoffTransportError(Exception):
-    """``--handoff-transport device`` was asked for, and the receiver cannot do it."""
+    """``--handoff-transport device`` or ``tcp`` was asked for, and the receiver cannot do
+    it."""
 
 
 class HandoffStream:
@@ -81,30 +90,77 @@ class HandoffStream:
     :meth:`cancel`) ends the call, and the decode worker frees its reservation."""
 
     def __init__(self, call, header: HeaderPart, reader: StateReader,
-                 executor: ThreadPoolExecutor) -> None:
+                 executor: ThreadPoolExecutor, *, address: str = "", transport: str = "stream",
+                 tcp: TcpConnections | None = None, tcp_connections: int = 1) -> None:
         self._call = call
         self.header = header
         self._reader = reader
         self._executor = executor
+        self._address = address
+        self._transport = transport
+        self._tcp = tcp
+        self._tcp_count = tcp_connections
         self._prompt = PromptShape(header.prompt_len, header.layout.page_size)
         self._ledgers = new_ledgers(header.manifest)
         self._sent = {"kv": 0, "dflash_context": 0}  # pages sent of each paged field
         self._states_sent = False
         self.pool_copies = False  # the receiver opened our pools (set by open)
+        self._connections: list[TcpConnection] = []  # chunks go over TCP (set by open)
+        self._ticket = b""
+        self._stopped = threading.Event()  # tells a sending thread to stop at its next chunk
+        self.over_tcp = False  # this handoff's chunks go on a TCP connection (set by open)
+        self.tcp_chunks = 0
         self.bytes_sent = 0
 
-    async def open(self, require_pool_copies: bool = False) -> None:
+    async def open(self) -> None:
         """Write the header and wait for ``accepted``; raises AioRpcError on a refusal, and
-        HandoffTransportError when ``require_pool_copies`` but the receiver takes bytes."""
+        HandoffTransportError when the sender's transport is ``device`` or ``tcp`` and the
+        receiver cannot take it. With ``tcp`` or ``auto`` and a receiver that offers TCP, the
+        connection is taken here; under ``auto`` one that cannot be made leaves the chunks on
+        the stream."""
         await self._call.write(convert.handoff_part_to_pb(self.header).SerializeToString())
-        reply = await _reply(self._call, "accepted")
-        self.pool_copies = reply.accepted.pool_copies
-        if require_pool_copies and not self.pool_copies:
+        accepted = (await _reply(self._call, "accepted")).accepted
+        self.pool_copies = accepted.pool_copies
+        if self._transport == "device" and not self.pool_copies:
             self._call.cancel()
             raise HandoffTransportError(
                 "the decode worker cannot open this worker's pools (another host, the GPU not "
-                "visible to it, or it runs --handoff-transport stream): use "
+                "visible to it, or it runs --handoff-transport stream or tcp): use "
                 "--handoff-transport auto or stream")
+        why = "it offers no TCP listener (--handoff-transport stream or device, or TLS)"
+        if not self.pool_copies and accepted.tcp_port and self._tcp is not None:
+            why = await self._connect(accepted.tcp_port, accepted.tcp_ticket)
+        if self._transport == "tcp" and not self._connections:
+            self._call.cancel()
+            raise HandoffTransportError(f"the decode worker takes no chunks over TCP: {why}; "
+                                        "use --handoff-transport auto or stream")
+
+    async def _connect(self, port: int, ticket: bytes) -> str:
+        """Take connections to the receiver's listener; says why not when none can be made."""
+        host = tcp_host(self._address)
+        if host is None:
+            return f"{self._address!r} has no TCP host"
+        loop = asyncio.get_running_loop()
+
+        def acquire() -> list[TcpConnection]:
+            connections = [self._tcp.acquire(host, port)]
+            try:
+                connections += [self._tcp.acquire(host, port)
+                                for _ in range(self._tcp_count - 1)]
+            except OSError:
+                pass  # fewer connections, same handoff
+            return connections
+
+        try:
+            self._connections = await loop.run_in_executor(self._executor, acquire)
+        except OSError as exc:
+            if self._transport == "auto":
+                log.warning("handoff to %s: no TCP connection to port %d (%s); its chunks go "
+                            "on the stream", self._address, port, exc)
+            return f"cannot connect to {host}:{port}: {exc}"
+        self._ticket = ticket
+        self.over_tcp = True
+        return ""
 
     async def send(self, ready: StateReady) -> None:
         """Stream the part of the state ``ready`` says is final and not yet sent (as pool
@@ -142,10 +198,46 @@ class HandoffStream:
             if states:
                 yield from self._reader.states(ready, self._ledgers)
 
+        if self._connections:
+            await self._send_over_tcp(produce)
+            return
         async with contextlib.aclosing(feed_from_thread(self._executor, produce)) as messages:
             async for message in messages:
                 self.bytes_sent += len(message)
                 await self._call.write(message)
+
+    async def _send_over_tcp(self, produce) -> None:
+        """Read and encode ``produce()``'s chunks on a sender thread and spread them over the
+        connections, whose own threads write them: no chunk passes through the event loop."""
+        connections, ticket, stopped = list(self._connections), self._ticket, self._stopped
+
+        def run() -> tuple[int, int]:
+            sent = chunks = 0
+            for message in produce():
+                if stopped.is_set():
+                    raise ConnectionAbortedError("the handoff ended")
+                connections[chunks % len(connections)].submit(ticket, message)
+                sent += len(message)
+                chunks += 1
+            for connection in connections:  # every frame written before the trailer
+                connection.flush()
+            return sent, chunks
+
+        loop = asyncio.get_running_loop()
+        try:
+            sent, chunks = await loop.run_in_executor(self._executor, run)
+        except BaseException:
+            # cancelled (the thread may still be writing: closing wakes it) or the write failed
+            self._drop_connection()
+            raise
+        self.bytes_sent += sent
+        self.tcp_chunks += chunks
+
+    def _drop_connection(self) -> None:
+        self._stopped.set()
+        connections, self._connections = self._connections, []
+        for connection in connections:
+            connection.close()
 
     def _copies(self, ready: StateReady, start: int) -> list[bytes]:
         """PoolCopy parts for what ``ready`` finished, once the step that wrote it is done on
@@ -170,7 +262,10 @@ class HandoffStream:
         checksums = {} if self.pool_copies else fold_checksums(self.header.manifest,
                                                                self._ledgers)
         trailer = TrailerPart(checksums=checksums, first_token=first_token,
-                              first_logprobs=first_logprobs)
+                              first_logprobs=first_logprobs, tcp_chunks=self.tcp_chunks)
+        connections, self._connections = self._connections, []
+        for connection in connections:  # every chunk is written: the next handoff may use them
+            self._tcp.release(connection)
         await self._call.write(convert.handoff_part_to_pb(trailer).SerializeToString())
         await self._call.done_writing()
         return (await _reply(self._call, "ack")).ack
@@ -184,6 +279,7 @@ class HandoffStream:
                 return await self.finish(ready.first_token, ready.first_logprobs)
 
     def cancel(self) -> None:
+        self._drop_connection()  # a no-op after finish, which gave it back
         self._call.cancel()
 
 
@@ -193,16 +289,25 @@ class HandoffSender:
 
     def __init__(self, reader: StateReader, *, timeout_s: float = 120.0,
                  security: ChannelSecurity = ChannelSecurity(), transport: str = "stream",
-                 shared: SharedPools | None = None) -> None:
-        if transport != "stream" and shared is None:
+                 shared: SharedPools | None = None, tcp_connections: int = 1) -> None:
+        if tcp_connections < 1:
+            raise ValueError(f"--handoff-tcp-connections must be >= 1, got {tcp_connections}")
+        if shares_pools(transport) and shared is None:
             raise ValueError(f"--handoff-transport {transport} needs the pools shared")
+        if transport == "tcp" and security.tls is not None:
+            raise ValueError("--handoff-transport tcp sends plaintext: not with TLS")
         self.reader = reader
         self.transport = transport
         self.shared = shared
         self.security = security
         self.timeout_s = timeout_s
+        self.tcp_connections = tcp_connections
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="handoff-reader")
+        # chunks over TCP carry the same token as the calls; never beside a TLS channel
+        self.tcp = (TcpConnections(dict(security.metadata).get(TOKEN_HEADER))
+                    if takes_tcp(transport) and security.tls is None else None)
+        # each handoff's reads (and, over TCP, its writes) run on one of these at a time
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="handoff-sender")
 
     def stream(self, address: str, header: HeaderPart) -> HandoffStream:
         """A handoff to ``address``, not yet opened."""
@@ -215,12 +320,15 @@ class HandoffSender:
         if self.shared is not None:  # offer our pools: a receiver on this host copies them
             header = dataclasses.replace(header, source_pools=self.shared.handles_for(address))
         return HandoffStream(handoff(timeout=self.timeout_s), header, self.reader,
-                             self._executor)
+                             self._executor, address=address, transport=self.transport,
+                             tcp=self.tcp, tcp_connections=self.tcp_connections)
 
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        if self.tcp is not None:
+            self.tcp.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.reader.close()
         if self.shared is not None:

@@ -61,7 +61,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         submitted = pump = None
         try:
             try:
-                await handoff.open(require_pool_copies=self.sender.transport == "device")
+                await handoff.open()
             except HandoffTransportError as exc:
                 self.metrics.handoff_failed()
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -104,7 +104,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             except Exception as exc:  # decode's status, or the stream broke on our side
                 await self._handoff_failed(exc, decode_address, context)
             handoff_s = time.perf_counter() - prefilled
-            self.metrics.handoff_sent(handoff.bytes_sent, handoff_s, handoff.pool_copies)
+            self.metrics.handoff_sent(handoff.bytes_sent, handoff_s, handoff.pool_copies,
+                                      handoff.over_tcp)
             log.info("handoff %016x to %s: %d prompt tokens, %d bytes, acknowledged %.3f s "
                      "after the first token", job.handoff_id, decode_address,
                      job.spec.prompt_len, handoff.bytes_sent, handoff_s)

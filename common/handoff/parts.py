@@ -66,6 +66,8 @@ class TrailerPart:
     first_token: int | None = None
     # the first token's log-probabilities, when the request asks for them
     first_logprobs: TokenLogprobs | None = None
+    # chunks sent on the handoff's TCP connection instead of the stream (the ``tcp`` transport)
+    tcp_chunks: int = 0
 
 
 HandoffPart = Union[HeaderPart, ChunkPart, PoolCopyPart, TrailerPart]

@@ -45,6 +45,10 @@ class PrefillMetrics:
         self.handoff_pool_copies = Counter(
             f"{PREFIX}_handoff_pool_copies",
             "Handoffs sent as pool-to-pool copies (the device transport).", registry=r)
+        self.handoff_tcp = Counter(
+            f"{PREFIX}_handoff_tcp",
+            "Handoffs whose chunks went on a TCP connection beside the stream (the tcp "
+            "transport).", registry=r)
         self.handoff_time = Histogram(
             f"{PREFIX}_handoff_time_seconds",
             "From a prompt's first token to the decode worker's acknowledgement: the part of "
@@ -77,12 +81,15 @@ class PrefillMetrics:
         """A Prefill call ended with gRPC status ``status`` (its name, e.g. "OK")."""
         self.requests.labels(status=status).inc()
 
-    def handoff_sent(self, num_bytes: int, seconds: float, pool_copies: bool) -> None:
+    def handoff_sent(self, num_bytes: int, seconds: float, pool_copies: bool,
+                     over_tcp: bool = False) -> None:
         self.handoffs.labels(result="sent").inc()
         self.handoff_bytes.observe(num_bytes)
         self.handoff_time.observe(seconds)
         if pool_copies:
             self.handoff_pool_copies.inc()
+        if over_tcp:
+            self.handoff_tcp.inc()
 
     def handoff_failed(self) -> None:
         self.handoffs.labels(result="failed").inc()
@@ -101,4 +108,5 @@ class PrefillMetrics:
             "handoff_bytes": sample_total(self.handoff_bytes, f"{PREFIX}_handoff_bytes_sum"),
             "handoffs_as_pool_copies": sample_total(self.handoff_pool_copies,
                                                     f"{PREFIX}_handoff_pool_copies_total"),
+            "handoffs_over_tcp": sample_total(self.handoff_tcp, f"{PREFIX}_handoff_tcp_total"),
         }

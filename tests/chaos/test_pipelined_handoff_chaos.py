@@ -62,7 +62,7 @@ def start_long(cluster) -> asyncio.Future:
         timeout_s=60))
 
 
-@pytest.mark.parametrize("transport", ["stream", "device"])
+@pytest.mark.parametrize("transport", ["stream", "tcp", "device"])
 def test_a_client_that_gives_up_mid_prefill_frees_both_workers(transport):
     with Cluster(config(transport)) as cluster:
         async def scenario():
@@ -91,7 +91,7 @@ def kill_mid_stream(cluster, kind: str) -> None:
     assert isinstance(result, grpc.aio.AioRpcError)
 
 
-@pytest.mark.parametrize("transport", ["stream", "device"])
+@pytest.mark.parametrize("transport", ["stream", "tcp", "device"])
 def test_a_prefill_worker_that_dies_mid_stream_leaves_nothing_on_decode(transport):
     with Cluster(config(transport)) as cluster:
         kill_mid_stream(cluster, "prefill")
@@ -99,8 +99,9 @@ def test_a_prefill_worker_that_dies_mid_stream_leaves_nothing_on_decode(transpor
         assert (r.free_pages, r.free_slots) == (r.total_pages, r.total_slots)
 
 
-def test_a_decode_worker_that_dies_mid_stream_stops_and_frees_the_prefill():
-    with Cluster(config("stream")) as cluster:
+@pytest.mark.parametrize("transport", ["stream", "tcp"])
+def test_a_decode_worker_that_dies_mid_stream_stops_and_frees_the_prefill(transport):
+    with Cluster(config(transport)) as cluster:
         kill_mid_stream(cluster, "decode")
         r = wait_free(cluster, "prefill")
         assert (r.free_pages, r.free_slots) == (r.total_pages, r.total_slots)

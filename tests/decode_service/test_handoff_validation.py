@@ -34,15 +34,17 @@ def tiny():
 class DecodeHarness:
     """A decode service on 127.0.0.1 in this process, with a stub and its expected layout."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, **service_args) -> None:
         self.model = model
+        self.service_args = service_args  # build_decode_service's keywords
 
     async def __aenter__(self):
         config = EngineConfig(cache=CacheConfig(page_size=PAGE, num_pages=NUM_PAGES, num_slots=5))
         self.layout = LayoutDescriptor.from_model(self.model.config, PAGE, self.model.dtype)
         self.fingerprint = model_fingerprint(self.model.config, weights_identity("tiny"))
         self.service = build_decode_service(LLMEngine(self.model, config), self.layout,
-                                            self.fingerprint, max_handoff_bytes=1 << 30)
+                                            self.fingerprint, max_handoff_bytes=1 << 30,
+                                            **self.service_args)
         await self.service.server.start()
         self.channel = grpc.aio.insecure_channel(self.service.address)
         self.stub = decode_pb2_grpc.DecodeStub(self.channel)

@@ -21,6 +21,7 @@ from router.discovery import parse_target
 from router.server import SERVICE_NAME as ROUTER_SERVICE
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+HANDOFF_PORT = 50063  # the decode pods' --handoff-port
 # grpc probes are GA from 1.27; the newest schemas the package ships are checked too
 VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 WORKERS = {"flashsplit-prefill": (prefill_main, prefill_main.SERVICE_NAME),
@@ -192,14 +193,17 @@ def policy_problems(docs) -> list[str]:
             for peer in rule["from"]:
                 if not _pods(deployments, peer["podSelector"]["matchLabels"]):
                     out.append(f"NetworkPolicy {name} admits pods no Deployment runs")
-    # the calls the router and the prefill workers make must be let through
-    admitted = {(n, c) for n, pol in named(docs, "NetworkPolicy").items()
+    # the calls the router and the prefill workers make must be let through, on their ports
+    admitted = {(n, c, port["port"]) for n, pol in named(docs, "NetworkPolicy").items()
                 for rule in pol["spec"]["ingress"] for peer in rule["from"]
-                for c in [peer["podSelector"]["matchLabels"].get("app.kubernetes.io/component")]}
-    for callee, caller in (("flashsplit-prefill", "router"), ("flashsplit-decode", "router"),
-                           ("flashsplit-decode", "prefill")):
-        if callee in named(docs, "NetworkPolicy") and (callee, caller) not in admitted:
-            out.append(f"NetworkPolicy {callee} shuts out the {caller}")
+                for c in [peer["podSelector"]["matchLabels"].get("app.kubernetes.io/component")]
+                for port in rule["ports"]}
+    for callee, caller, port in (("flashsplit-prefill", "router", 50061),
+                                 ("flashsplit-decode", "router", 50062),
+                                 ("flashsplit-decode", "prefill", 50062),
+                                 ("flashsplit-decode", "prefill", HANDOFF_PORT)):
+        if callee in named(docs, "NetworkPolicy") and (callee, caller, port) not in admitted:
+            out.append(f"NetworkPolicy {callee} shuts out the {caller} on port {port}")
     return out
 
 
@@ -264,8 +268,25 @@ def test_a_network_policy_that_shuts_out_a_caller_is_caught(tmp_path):
     policy["from"].pop()  # the prefill workers could no longer hand off
     policy["ports"][0]["port"] = 50061
     found = policy_problems(docs)
-    assert "NetworkPolicy flashsplit-decode shuts out the prefill" in found
+    assert "NetworkPolicy flashsplit-decode shuts out the prefill on port 50062" in found
     assert "NetworkPolicy flashsplit-decode opens port 50061, not served" in found
+
+
+def test_a_policy_without_the_handoff_port_is_caught():
+    docs = copy.deepcopy(load())
+    rules = named(docs, "NetworkPolicy")["flashsplit-decode"]["spec"]["ingress"]
+    rules[:] = [r for r in rules if all(p["port"] != HANDOFF_PORT for p in r["ports"])]
+    assert f"NetworkPolicy flashsplit-decode shuts out the prefill on port {HANDOFF_PORT}" \
+        in policy_problems(docs)
+
+
+def test_the_decode_worker_listens_for_handoff_chunks_where_its_policy_opens():
+    decode = _container(load(), "flashsplit-decode")
+    args = decode["args"]
+    assert args[args.index("--handoff-transport") + 1] == "tcp"
+    assert int(args[args.index("--handoff-port") + 1]) == HANDOFF_PORT
+    prefill = _container(load(), "flashsplit-prefill")["args"]
+    assert prefill[prefill.index("--handoff-transport") + 1] == "tcp"
 
 
 def test_a_worker_service_that_is_not_headless_is_caught(tmp_path):

@@ -1,8 +1,9 @@
-"""Both handoff transports through real processes: the same greedy tokens, pools full after.
+"""The handoff transports through real processes: the same greedy tokens, pools full after.
 
 On the CPU the ``device`` transport is shared memory (the decode worker copies out of the
-prefill worker's pools); ``auto`` falls back to the byte stream where the receiver will not
-open them, and ``device`` then fails with a clear status.
+prefill worker's pools); ``auto`` falls back to TCP where the receiver will not open them, and
+to the byte stream where it takes neither; ``device`` and ``tcp`` then fail with a clear
+status.
 """
 
 from __future__ import annotations
@@ -35,18 +36,23 @@ def run(prefill: str, decode: str, draft: bool = False):
     return outs, load.counters
 
 
-@pytest.mark.parametrize("prefill,decode,copied", [
-    ("auto", "auto", True),      # same host: pool copies
-    ("device", "device", True),
-    ("auto", "stream", False),   # the receiver takes bytes only: auto falls back
-    ("stream", "auto", False),   # the sender offers no pools
+@pytest.mark.parametrize("prefill,decode,path", [
+    ("auto", "auto", "copies"),   # same host: pool copies
+    ("device", "device", "copies"),
+    ("tcp", "tcp", "tcp"),
+    ("auto", "tcp", "tcp"),       # the receiver opens no pools: auto takes its TCP listener
+    ("tcp", "auto", "tcp"),       # the sender offers no pools
+    ("auto", "stream", "stream"),  # the receiver takes bytes on the stream only
+    ("stream", "auto", "stream"),  # the sender offers neither
 ])
-def test_transports_give_the_same_tokens(prefill, decode, copied):
+def test_transports_give_the_same_tokens(prefill, decode, path):
     outs, counters = run(prefill, decode)
     assert [o.token_ids for o in outs] == local_greedy(load_model("tiny"), PROMPTS)
     assert counters["handoffs_sent"] == len(PROMPTS)
-    assert counters["handoffs_as_pool_copies"] == (len(PROMPTS) if copied else 0)
-    assert (counters["handoff_bytes"] > 10_000) != copied  # copies move no payload bytes
+    assert counters["handoffs_as_pool_copies"] == (len(PROMPTS) if path == "copies" else 0)
+    assert counters["handoffs_over_tcp"] == (len(PROMPTS) if path == "tcp" else 0)
+    # copies move no payload bytes
+    assert (counters["handoff_bytes"] > 10_000) == (path != "copies")
 
 
 def test_device_transport_carries_the_draft_context():
@@ -59,13 +65,26 @@ def test_device_transport_carries_the_draft_context():
     assert counters["handoffs_as_pool_copies"] == len(PROMPTS)
 
 
-def test_device_transport_without_a_willing_receiver_fails_clearly():
+def test_tcp_transport_carries_the_draft_context():
+    outs, counters = run("tcp", "tcp", draft=True)
+    assert [o.token_ids for o in outs] == local_greedy(load_model("tiny"), PROMPTS)
+    assert all(o.accept_lengths and sum(o.accept_lengths) >= len(o.token_ids) - 1
+               for o in outs)
+    assert counters["handoffs_over_tcp"] == len(PROMPTS)
+
+
+@pytest.mark.parametrize("prefill,decode,message", [
+    ("device", "stream", "cannot open this worker's pools"),
+    ("tcp", "stream", "takes no chunks over TCP"),
+])
+def test_a_transport_without_a_willing_receiver_fails_clearly(prefill, decode, message):
     config = ClusterConfig(model="tiny", worker_args=CHUNKED,
-                           prefill_args=("--handoff-transport", "device"),
-                           decode_args=("--handoff-transport", "stream"))
+                           prefill_args=("--handoff-transport", prefill),
+                           decode_args=("--handoff-transport", decode))
     with Cluster(config) as cluster:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             asyncio.run(generate_all(cluster.router_address, PROMPTS[:1]))
-        assert "cannot open this worker's pools" in err.value.details()
+        assert message in err.value.details()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         reports = asyncio.run(wait_all_free(cluster))
     assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)

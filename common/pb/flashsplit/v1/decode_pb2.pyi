@@ -84,7 +84,7 @@ class TensorChunk(_message.Message):
     def __init__(self, field: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class HandoffTrailer(_message.Message):
-    __slots__ = ("crc32c", "first_token", "first_token_logprobs")
+    __slots__ = ("crc32c", "first_token", "first_token_logprobs", "tcp_chunks")
     class Crc32cEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -95,10 +95,12 @@ class HandoffTrailer(_message.Message):
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TCP_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     crc32c: _containers.ScalarMap[str, int]
     first_token: int
     first_token_logprobs: _types_pb2.TokenLogprobs
-    def __init__(self, crc32c: _Optional[_Mapping[str, int]] = ..., first_token: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_types_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+    tcp_chunks: int
+    def __init__(self, crc32c: _Optional[_Mapping[str, int]] = ..., first_token: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_types_pb2.TokenLogprobs, _Mapping]] = ..., tcp_chunks: _Optional[int] = ...) -> None: ...
 
 class HandoffMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer", "pool_copy")
@@ -121,12 +123,16 @@ class HandoffAck(_message.Message):
     def __init__(self, handoff_id: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class HandoffAccepted(_message.Message):
-    __slots__ = ("handoff_id", "pool_copies")
+    __slots__ = ("handoff_id", "pool_copies", "tcp_port", "tcp_ticket")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_COPIES_FIELD_NUMBER: _ClassVar[int]
+    TCP_PORT_FIELD_NUMBER: _ClassVar[int]
+    TCP_TICKET_FIELD_NUMBER: _ClassVar[int]
     handoff_id: int
     pool_copies: bool
-    def __init__(self, handoff_id: _Optional[int] = ..., pool_copies: _Optional[bool] = ...) -> None: ...
+    tcp_port: int
+    tcp_ticket: bytes
+    def __init__(self, handoff_id: _Optional[int] = ..., pool_copies: _Optional[bool] = ..., tcp_port: _Optional[int] = ..., tcp_ticket: _Optional[bytes] = ...) -> None: ...
 
 class HandoffReply(_message.Message):
     __slots__ = ("accepted", "ack")

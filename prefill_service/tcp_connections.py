@@ -1,0 +1,202 @@
+"""The prefill worker's TCP connections to decode workers' handoff listeners (``tcp`` transport).
+
+A handoff that the receiver offered TCP takes connections to that listener for its lifetime
+(one handoff per connection at a time, so concurrent handoffs run on connections of their
+own), spreads its chunks over them as frames (``common/handoff/tcp_frames.py``), each written
+by the connection's own thread, and gives the connections back after its last chunk. A connection is opened with a hello carrying
+the cluster's internal token and kept for the next handoff; one that failed is closed.
+
+Sending runs on blocking sockets: ``sendmsg`` releases the GIL while the kernel copies, so the
+event loop and the engine thread run meanwhile.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+
+from common.handoff.tcp_frames import OK, frame_header, hello
+
+
+class TcpConnection:
+    """One connection to a listener, used by one handoff at a time, with a writer thread of its
+    own: :meth:`submit` queues a frame (at most ``max_queued`` wait), :meth:`flush` waits until
+    every queued frame is written. A handoff spreads its chunks over several connections, so
+    the kernel's copies run on several threads at once."""
+
+    def __init__(self, sock: socket.socket, peer: tuple[str, int], max_queued: int = 4) -> None:
+        self._sock = sock
+        self.peer = peer
+        self.broken = False
+        self._error: OSError | None = None
+        self._queue: queue.Queue = queue.Queue(max_queued)
+        self._closed = threading.Event()
+        threading.Thread(target=self._write_loop, daemon=True,
+                         name="handoff-tcp-writer").start()
+
+    def submit(self, ticket: bytes, message: bytes) -> None:
+        """Queue one frame for the writer thread (blocks while ``max_queued`` wait). Raises
+        the OSError of an earlier write that failed."""
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._closed.is_set():
+                raise ConnectionAbortedError("the connection is closed")
+            try:
+                self._queue.put((ticket, message), timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def flush(self) -> None:
+        """Wait until every submitted frame is written; raises the OSError of one that was
+        not."""
+        self._queue.join()
+        if self._error is not None:
+            raise self._error
+
+    def _write_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                ticket, message = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                if self._error is None:
+                    self.send_chunk(ticket, message)
+            except OSError as exc:
+                self._error = exc  # later frames are dropped; submit and flush raise it
+            finally:
+                self._queue.task_done()
+        while True:  # closed: what is still queued is never written
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._error = self._error or ConnectionAbortedError("the connection is closed")
+            self._queue.task_done()
+
+    def send_chunk(self, ticket: bytes, message: bytes) -> None:
+        """Write one frame: the header, then ``message`` (an encoded chunk). Marks the
+        connection broken and raises OSError when the write fails."""
+        head = frame_header(ticket, len(message))
+        try:
+            sent = self._sock.sendmsg([head, message])
+            if sent < len(head):
+                self._sock.sendall(head[sent:])
+                sent = len(head)
+            if sent - len(head) < len(message):
+                self._sock.sendall(memoryview(message)[sent - len(head):])
+        except OSError:
+            self.broken = True
+            raise
+
+    def alive(self) -> bool:
+        """Whether an idle connection is still open at the other end (the listener never
+        writes after its hello, so anything readable is its close)."""
+        try:
+            self._sock.setblocking(False)
+            try:
+                self._sock.recv(1, socket.MSG_PEEK)
+                return False  # end of stream, or bytes a listener never sends
+            finally:
+                self._sock.setblocking(True)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        """Close at once; a thread blocked writing on it gets an OSError (shutdown wakes it,
+        a plain close would not)."""
+        self.broken = True
+        self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+class TcpConnections:
+    """Idle connections per listener address, opened on demand.
+
+    Args:
+        token: the cluster's internal token (None: a cluster without one).
+        connect_timeout_s: how long opening a connection and its hello may take.
+        max_idle: connections kept per listener once their handoffs are done.
+    """
+
+    def __init__(self, token: str | None, connect_timeout_s: float = 5.0,
+                 max_idle: int = 4, retry_after_s: float = 30.0) -> None:
+        self._hello = hello(token)
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle = max_idle
+        # a listener that could not be reached is not tried again for this long: under
+        # ``auto`` every handoff to it would wait out a connect timeout first
+        self.retry_after_s = retry_after_s
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, int], list[TcpConnection]] = {}
+        self._failed: dict[tuple[str, int], tuple[float, str]] = {}
+        self._closed = False
+
+    def acquire(self, host: str, port: int) -> TcpConnection:
+        """An idle connection to ``host:port``, or a new one (blocking: call it on a thread).
+        Raises OSError when the listener cannot be reached or refuses the token."""
+        peer = (host, port)
+        with self._lock:
+            if self._closed:
+                raise OSError("the sender is closed")
+            idle = self._idle.get(peer, [])
+            while idle:
+                connection = idle.pop()
+                if connection.alive():
+                    return connection
+                connection.close()  # the listener went away meanwhile (a restart)
+            failed = self._failed.get(peer)
+            if failed is not None and time.monotonic() < failed[0] + self.retry_after_s:
+                raise ConnectionError(f"{host}:{port} failed {failed[1]} (not retried for "
+                                      f"{self.retry_after_s:.0f} s)")
+        try:
+            sock = socket.create_connection(peer, timeout=self.connect_timeout_s)
+        except OSError as exc:
+            self._remember_failure(peer, exc)
+            raise
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(self._hello)
+            if sock.recv(1) != OK:
+                raise ConnectionRefusedError(f"the handoff listener at {host}:{port} refused "
+                                             "this worker (another internal token?)")
+            sock.settimeout(None)  # a frame may wait on a slow receiver: its handoff decides
+        except BaseException as exc:
+            sock.close()
+            if isinstance(exc, OSError):
+                self._remember_failure(peer, exc)
+            raise
+        with self._lock:
+            self._failed.pop(peer, None)
+        return TcpConnection(sock, peer)
+
+    def _remember_failure(self, peer: tuple[str, int], exc: OSError) -> None:
+        with self._lock:
+            self._failed[peer] = (time.monotonic(), f"{time.strftime('%H:%M:%S')}: {exc}")
+
+    def release(self, connection: TcpConnection) -> None:
+        """Give ``connection`` back after a handoff: kept for the next one unless broken."""
+        with self._lock:
+            idle = self._idle.setdefault(connection.peer, [])
+            if not connection.broken and not self._closed and len(idle) < self.max_idle:
+                idle.append(connection)
+                return
+        connection.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for connections in idle.values():
+            for connection in connections:
+                connection.close()

@@ -1,0 +1,116 @@
+"""The sender's connections to handoff listeners: reused, replaced when the listener went away,
+and a listener that cannot be reached is not tried again at once; and the choice a handoff
+makes from what the receiver offers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from common.pb.flashsplit.v1 import decode_pb2
+from decode_service.tcp_listener import TcpHandoffListener
+from prefill_service.handoff_sender import HandoffStream, HandoffTransportError
+from prefill_service.tcp_connections import TcpConnections
+from common.handoff.stream import header_of
+from tests.common.handoff.conftest import config, fingerprint, layout, make_payload  # noqa: F401
+
+
+def _closed_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    return port
+
+
+def test_idle_connections_are_reused_and_dead_ones_replaced():
+    listener = TcpHandoffListener("127.0.0.1", 0, accepts=lambda token: True)
+    connections = TcpConnections(None)
+    first = connections.acquire("127.0.0.1", listener.port)
+    connections.release(first)
+    assert connections.acquire("127.0.0.1", listener.port) is first
+    connections.release(first)
+    listener.close()  # a restart: the idle connection's other end is gone
+    listener = TcpHandoffListener("127.0.0.1", 0, accepts=lambda token: True)
+    with pytest.raises(OSError):
+        connections.acquire("127.0.0.1", first.peer[1])  # found dead, nothing listens
+    fresh = connections.acquire("127.0.0.1", listener.port)
+    assert fresh is not first and fresh.alive()
+    connections.close()
+    listener.close()
+
+
+def test_an_unreachable_listener_is_not_tried_again_at_once():
+    port = _closed_port()
+    connections = TcpConnections(None, retry_after_s=60)
+    with pytest.raises(ConnectionRefusedError):
+        connections.acquire("127.0.0.1", port)
+    with pytest.raises(ConnectionError, match="not retried"):
+        connections.acquire("127.0.0.1", port)
+    retrying = TcpConnections(None, retry_after_s=0)
+    for _ in range(2):
+        with pytest.raises(ConnectionRefusedError):
+            retrying.acquire("127.0.0.1", port)
+
+
+class _AcceptingCall:
+    """The receiver's half of a call, as far as ``HandoffStream.open`` sees it."""
+
+    def __init__(self, accepted: decode_pb2.HandoffAccepted) -> None:
+        self.accepted = accepted
+        self.cancelled = False
+
+    async def write(self, message) -> None:
+        pass
+
+    async def read(self):
+        return decode_pb2.HandoffReply(accepted=self.accepted)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _open(transport: str, accepted: decode_pb2.HandoffAccepted, connections: TcpConnections,
+          payload):
+    async def scenario():
+        call = _AcceptingCall(accepted)
+        header = header_of(payload)
+        stream = HandoffStream(call, header, reader=None, executor=ThreadPoolExecutor(1),
+                               address=f"127.0.0.1:{accepted.tcp_port or 1}",
+                               transport=transport, tcp=connections)
+        try:
+            await stream.open()
+        finally:
+            over_tcp = stream.over_tcp
+            stream.cancel()
+        return over_tcp, call.cancelled
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_handoff_takes_the_listener_it_is_offered(transport, make_payload):
+    listener = TcpHandoffListener("127.0.0.1", 0, accepts=lambda token: True)
+    accepted = decode_pb2.HandoffAccepted(handoff_id=1, tcp_port=listener.port,
+                                          tcp_ticket=b"t" * 16)
+    # connected (and cancelled by the test's end, which ends the call)
+    assert _open(transport, accepted, TcpConnections(None), make_payload(5)) == (True, True)
+    listener.close()
+
+
+def test_auto_streams_when_the_listener_cannot_be_reached(make_payload):
+    accepted = decode_pb2.HandoffAccepted(handoff_id=1, tcp_port=_closed_port(),
+                                          tcp_ticket=b"t" * 16)
+    over_tcp, _ = _open("auto", accepted, TcpConnections(None), make_payload(5))
+    assert not over_tcp  # its chunks go on the stream
+
+
+@pytest.mark.parametrize("offer_port", [True, False])
+def test_tcp_fails_clearly_without_a_reachable_listener(offer_port, make_payload):
+    accepted = decode_pb2.HandoffAccepted(handoff_id=1, tcp_port=_closed_port() if offer_port
+                                          else 0, tcp_ticket=b"t" * 16)
+    with pytest.raises(HandoffTransportError, match="takes no chunks over TCP"):
+        _open("tcp", accepted, TcpConnections(None), make_payload(5))
