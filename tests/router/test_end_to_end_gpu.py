@@ -87,7 +87,7 @@ def expected(checkpoints):
     return tokens
 
 
-@pytest.mark.parametrize("transport", ["auto", "stream"])
+@pytest.mark.parametrize("transport", ["auto", "tcp", "stream"])
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
 def test_cluster_on_one_gpu_matches_single_process(checkpoints, expected, speculative,
                                                    transport):
@@ -107,6 +107,8 @@ def test_cluster_on_one_gpu_matches_single_process(checkpoints, expected, specul
     assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
     copied = load.counters.get("handoffs_as_pool_copies", 0)
     assert copied == (len(PROMPTS) if transport == "auto" else 0)
+    assert load.counters.get("handoffs_over_tcp", 0) == (len(PROMPTS) if transport == "tcp"
+                                                         else 0)
     if speculative:
         assert all(o.accept_lengths for o in outs)
     assert load_config(target_path).hidden_size == 2560
