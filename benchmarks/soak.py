@@ -1,7 +1,7 @@
 """Soak: minutes of mixed traffic against a `flashsplit up` cluster whose workers are killed.
 
-Starts ``flashsplit up --prefill-workers 2 --decode-workers 2 --draft tiny`` (the built-in
-model), then for ``--duration`` seconds runs ``--clients`` concurrent clients sending the kinds
+Starts ``flashsplit up --model tiny --prefill-workers 2 --decode-workers 2 --draft tiny``
+(the built-in random model, with ``--handoff-transport``), then for ``--duration`` seconds runs ``--clients`` concurrent clients sending the kinds
 of ``benchmarks/soak_traffic.py`` (greedy with and without speculative decoding, a temperature
 of 1e-300, sampled, cancelled mid-stream, short deadlines, hostile requests), while every
 ``--kill-every`` seconds one worker, chosen at random, gets SIGKILL and ``up`` restarts it.
@@ -181,12 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="concurrent clients")
     p.add_argument("--kill-every", type=float, default=12.0, help="seconds between kills")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--handoff-transport", default="auto",
+                   help="the workers' --handoff-transport (auto, stream, tcp, device)")
     p.add_argument("--out", default="out/soak.json", help="where the JSON report goes")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(1, 40))] for _ in range(16)]
     expected = oracle(prompts)
-    up = Up(["--quiet", "--prefill-workers", "2", "--decode-workers", "2", "--draft", "tiny",
+    # the built-in random model its oracle runs (the default model is the trained one)
+    up = Up(["--quiet", "--model", "tiny", "--prefill-workers", "2", "--decode-workers", "2",
+             "--draft", "tiny", "--handoff-transport", args.handoff_transport,
              "--page-size", str(PAGE_SIZE), "--num-pages", str(NUM_PAGES), "--num-slots",
              str(NUM_SLOTS), "--grace", "2"])
     try:
