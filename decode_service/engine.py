@@ -13,7 +13,7 @@ from common.cache.allocator import OutOfResources
 from common.engine.errors import StepFailed
 from common.engine.llm_engine import LLMEngine, TokenEvent
 from common.engine.loop import EngineLoop
-from common.engine.scheduler import RequestTooLarge
+from common.cache.cache_manager import RequestTooLarge
 from common.handoff.errors import HandoffError
 from common.handoff.manifest import REQUIRED_FIELDS
 from common.handoff.parts import HeaderPart
@@ -73,20 +73,14 @@ class DecodeEngine(EngineLoop):
             raise HandoffError("INVALID_ARGUMENT", f"fields {extra} are not accepted by this "
                                "decode worker")
         self._check_draft_context(header)
+        # the same room, through the same owner, as a prompt scheduled here
         try:
-            pages = e.scheduler.pages_for_budget(header.prompt_len,
-                                                 header.spec.sampling.max_new_tokens)
-        except RequestTooLarge as exc:
+            room = e.cache.take(e.cache.pages_for(header.prompt_len,
+                                                  header.spec.sampling.max_new_tokens),
+                                zero_state=False)  # the handoff's bytes overwrite the slot
+        except (RequestTooLarge, OutOfResources) as exc:
             raise HandoffError("RESOURCE_EXHAUSTED", str(exc)) from None
-        try:
-            page_ids = e.kv_pool.allocator.allocate(pages)
-        except OutOfResources as exc:
-            raise HandoffError("RESOURCE_EXHAUSTED", str(exc)) from None
-        try:
-            (slot,) = e.state_pool.allocator.allocate(1)
-        except OutOfResources as exc:
-            e.kv_pool.allocator.free(page_ids)
-            raise HandoffError("RESOURCE_EXHAUSTED", str(exc)) from None
+        page_ids, slot = room.page_ids, room.slot
         speculate = e.wants_speculation(header.spec.sampling.speculative)
         after = None
         if e.kv_pool.kv.device.type == "cuda":
@@ -98,8 +92,7 @@ class DecodeEngine(EngineLoop):
             free=lambda ids, s: self.call(self._free_room, ids, s), after=after, source=source)
 
     def _free_room(self, page_ids: list[int], slot: int) -> None:
-        self.engine.kv_pool.allocator.free(page_ids)
-        self.engine.state_pool.allocator.free([slot])
+        self.engine.cache.give_back(page_ids, slot)
 
     def _check_draft_context(self, header: HeaderPart) -> None:
         """A draft context must fit this worker's draft exactly (the same draft on both sides),

@@ -102,6 +102,8 @@ class LLMEngine:
         lookahead = self.speculator.block_size if self.speculator else 0
         self.scheduler = Scheduler(replace(config.scheduler, lookahead_tokens=lookahead),
                                    self.kv_pool, self.state_pool)
+        # the pools' one owner (reserve, give back), for local requests and handoffs alike
+        self.cache = self.scheduler.cache
         self.overlap = None
         if config.overlap_schedule and self.runner.graphs is not None:
             self.overlap = OverlapDecoder(self.runner.graphs, config.cache.num_slots)

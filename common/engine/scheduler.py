@@ -11,14 +11,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from common.cache.cache_manager import CacheManager, RequestTooLarge, RoomPolicy
 from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
 from common.engine.request import Request, RequestStatus
 from common.model.forward_batch import ForwardMode
 
-
-class RequestTooLarge(ValueError):
-    """A request that could never fit in this engine's pools."""
+__all__ = ["RequestTooLarge", "ScheduledStep", "Scheduler", "SchedulerConfig"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,9 @@ class Scheduler:
         self.config = config
         self.kv_pool = kv_pool
         self.state_pool = state_pool
+        # the pools' one owner: handoffs take their room through it too
+        self.cache = CacheManager(kv_pool, state_pool, RoomPolicy(
+            config.reserve_output_tokens, config.lookahead_tokens))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -60,20 +62,8 @@ class Scheduler:
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def pages_for_budget(self, prompt_len: int, max_new_tokens: int) -> int:
-        """KV pages a request of this size is given at admission; RequestTooLarge when it
-        could never be admitted."""
-        tokens = (prompt_len + max_new_tokens + self.config.lookahead_tokens
-                  if self.config.reserve_output_tokens else prompt_len)
-        pages = self.kv_pool.pages_for(tokens)
-        if pages > self.kv_pool.allocator.num_usable:
-            raise RequestTooLarge(
-                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} needs "
-                f"{pages} KV pages; the pool has {self.kv_pool.allocator.num_usable}")
-        return pages
-
     def pages_needed(self, request: Request) -> int:
-        return self.pages_for_budget(len(request.prompt_ids), request.params.max_new_tokens)
+        return self.cache.pages_for(len(request.prompt_ids), request.params.max_new_tokens)
 
     def check_fits(self, request: Request) -> None:
         """Raise :class:`RequestTooLarge` if the request could never be admitted."""
@@ -91,11 +81,10 @@ class Scheduler:
     def reserve(self, request: Request) -> bool:
         """Give a request a state slot and pages for its whole budget, if both are free."""
         pages = self.pages_needed(request)
-        if not (self.kv_pool.allocator.can_allocate(pages)
-                and self.state_pool.allocator.can_allocate(1)):
+        if not self.cache.can_take(pages):
             return False
-        request.page_ids = self.kv_pool.allocator.allocate(pages)
-        request.slot = self.state_pool.allocate()
+        room = self.cache.take(pages, zero_state=True)
+        request.page_ids, request.slot = room.page_ids, room.slot
         request.status = RequestStatus.RUNNING
         return True
 
@@ -106,12 +95,8 @@ class Scheduler:
 
     def release(self, request: Request) -> None:
         """Return a request's pages and slot (idempotent) and drop it from the queues."""
-        if request.page_ids:
-            self.kv_pool.allocator.free(request.page_ids)
-            request.page_ids = []
-        if request.slot is not None:
-            self.state_pool.free(request.slot)
-            request.slot = None
+        self.cache.give_back(request.page_ids, request.slot)
+        request.page_ids, request.slot = [], None
         if request in self.running:
             self.running.remove(request)
         if request in self.waiting:
@@ -125,8 +110,7 @@ class Scheduler:
             return True
         if not self.waiting or len(self.running) >= self.config.max_running_requests:
             return False
-        return (self.kv_pool.allocator.can_allocate(self.pages_needed(self.waiting[0]))
-                and self.state_pool.allocator.can_allocate(1))
+        return self.cache.can_take(self.pages_needed(self.waiting[0]))
 
     def schedule(self) -> ScheduledStep | None:
         step = self._schedule_extend()

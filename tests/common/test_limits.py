@@ -60,6 +60,6 @@ def test_capacity_is_what_a_request_can_take_with_every_page_free(reserve_output
     assert request_capacity_tokens(engine) == 9 * 4 - block
     if reserve_output:  # the scheduler agrees: exactly this many fit, one more does not
         capacity = request_capacity_tokens(engine)
-        engine.scheduler.pages_for_budget(capacity - 1, 1)
+        engine.cache.pages_for(capacity - 1, 1)
         with pytest.raises(ValueError):
-            engine.scheduler.pages_for_budget(capacity, 1)
+            engine.cache.pages_for(capacity, 1)
