@@ -17,6 +17,7 @@ from common.logging_setup import add_log_format_arg, configure_logging
 from common.metrics.server import add_metrics_port_arg
 from common.metrics.tls import metrics_ssl_context
 from common.model.registry import DEFAULT_MODEL
+from common.parallel.worker_group import add_tp_arg, check_tp_args
 from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig
 from common.handoff.transports import HANDOFF_TRANSPORTS, shares_pools
@@ -36,9 +37,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "to the decode worker's --handoff-port beside the gRPC stream; "
                         "plaintext, so not with TLS), 'device' (same host: the decode worker "
                         "copies out of the prefill worker's pools through CUDA IPC or shared "
-                        "memory), 'auto' (device where both ends can, else tcp where the "
-                        "listener is reachable and TLS is off, else stream) "
-                        "(default: %(default)s)")
+                        "memory; not with --tp above 1), 'auto' (device where both ends can, "
+                        "else tcp where the listener is reachable and TLS is off, else "
+                        "stream) (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the config's)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -65,6 +66,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per DFLASH step (default: the draft's own block_size)")
     add_kernel_args(p)
+    add_tp_arg(p)
     add_cuda_graph_args(p)
     add_security_args(p)
     p.add_argument("--grace", type=float, default=5.0,
@@ -153,8 +155,9 @@ def dtype_from_args(args: argparse.Namespace) -> torch.dtype | None:
 
 
 def run_worker(args: argparse.Namespace, serve) -> int:
-    """A worker's process: logging, its security flags checked before the model loads (exit 2
-    on a flag or file the caller got wrong), then ``asyncio.run(serve(args, security))``, whose
+    """A worker's process: logging, its security and tensor-parallel flags checked before the
+    model loads (exit 2 on a flag or file the caller got wrong, or a ``--tp`` that does not
+    divide the model), then ``asyncio.run(serve(args, security))``, whose
     result is the exit status (1 when a port cannot be bound)."""
     import asyncio
     import os
@@ -170,6 +173,7 @@ def run_worker(args: argparse.Namespace, serve) -> int:
         if args.handoff_transport == "tcp" and security.tls is not None:
             raise ValueError("--handoff-transport tcp sends the state in plaintext: it cannot "
                              "be used with TLS (use auto, which then streams, or stream)")
+        check_tp_args(args)  # ShardingError names what the size must divide
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

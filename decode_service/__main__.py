@@ -11,6 +11,8 @@ from common.engine.factory import build_engine
 from common.grpc_util import serve_until_signal
 from common.metrics.server import bind_metrics, start_metrics
 from common.metrics.tls import metrics_ssl_context
+from common.parallel.worker_group import (engine_tp, handoff_transport, settings_for_group,
+                                          shares_pools_at, worker_group)
 from common.security import Security
 from common.worker_args import add_worker_args, engine_settings_from_args, run_worker
 from decode_service.server import build_decode_service
@@ -25,27 +27,34 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     # bound before the model loads: a port in use fails at once
     metrics_server = bind_metrics(args.host, args.metrics_port,
                                   metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca))
-    built = build_engine(engine_settings_from_args(args, prefill=False))
-    llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
-    service = build_decode_service(llm, layout, fingerprint, host=args.host, port=args.port,
-                                   max_handoff_bytes=args.max_handoff_bytes,
-                                   security=server_security,
-                                   transport=args.handoff_transport,
-                                   idle_timeout_s=args.handoff_idle_timeout,
-                                   handoff_port=args.handoff_port)
-    start_metrics(metrics_server, service.engine.metrics.registry, "flashsplit-decode")
-    if service.tcp is not None:
-        log.info("handoff chunks over TCP: listening on port %d", service.tcp.port)
-    try:
-        return await serve_until_signal(
-            service.server, service.health, [SERVICE_NAME],
-            f"flashsplit-decode listening on {service.address}", grace=args.grace,
-            shutdown=service.shutdown, engine=service.engine)
-    finally:
-        service.close_tcp()
-        service.engine.stop()
-        if metrics_server is not None:
-            metrics_server.stop()
+    transport = handoff_transport(args, "decode")
+    # with --tp the followers start here and leave once the engine thread has stopped
+    group = worker_group(args)
+    with group as tp:
+        settings = settings_for_group(engine_settings_from_args(args, prefill=False), group)
+        built = build_engine(settings, tp=engine_tp(group, tp))
+        llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
+        service = build_decode_service(llm, layout, fingerprint, host=args.host,
+                                       port=args.port, max_handoff_bytes=args.max_handoff_bytes,
+                                       security=server_security, transport=transport,
+                                       idle_timeout_s=args.handoff_idle_timeout,
+                                       handoff_port=args.handoff_port,
+                                       open_peer_pools=shares_pools_at(args, transport))
+        start_metrics(metrics_server, service.engine.metrics.registry, "flashsplit-decode")
+        if service.tcp is not None:
+            log.info("handoff chunks over TCP: listening on port %d", service.tcp.port)
+        try:
+            return await serve_until_signal(
+                service.server, service.health, [SERVICE_NAME],
+                f"flashsplit-decode listening on {service.address}", grace=args.grace,
+                shutdown=service.shutdown, engine=service.engine)
+        finally:
+            service.close_tcp()
+            service.engine.stop()
+            if service.engine.error is not None or service.engine.is_alive:
+                group.mark_broken()  # the followers may be inside a collective: end them
+            if metrics_server is not None:
+                metrics_server.stop()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,9 @@
 """The decode worker's engine: admits handed-off requests into its pools and runs continuous
-batching over them on its own thread. Imports no grpc."""
+batching over them on its own thread. Imports no grpc.
+
+With tensor parallelism a handoff's KV and GDN state land whole on this rank (a staging state
+per reservation) and are scattered to every rank's pools at admission: the scatter is a
+collective of the whole group, so it runs here, on the engine thread, between steps."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from typing import Callable
 import torch
 
 from common.cache.allocator import OutOfResources
-from common.engine.errors import StepFailed
+from common.engine.errors import GroupOutOfStep, StepFailed
 from common.engine.llm_engine import LLMEngine, TokenEvent
 from common.engine.loop import EngineLoop
 from common.cache.cache_manager import RequestTooLarge
@@ -19,6 +23,7 @@ from common.handoff.manifest import REQUIRED_FIELDS
 from common.handoff.parts import HeaderPart
 from common.logprobs import TokenLogprobs
 from common.metrics.decode_metrics import DecodeMetrics
+from common.parallel.prompt_state import PromptState
 from decode_service.peer_pools import SourcePools
 from decode_service.reservation import PoolReservation
 
@@ -34,6 +39,8 @@ class DecodeEngine(EngineLoop):
             raise ValueError("a decode engine continues requests; hold_after_prefill must be off")
         self.engine = engine
         self.sink = sink
+        # the tensor-parallel followers, which take their parts of each admitted state
+        self._followers = engine.runner.followers
         self.metrics = DecodeMetrics(self.load, block_size=engine.speculator.block_size
                                      if engine.speculator is not None else None)
 
@@ -86,10 +93,15 @@ class DecodeEngine(EngineLoop):
         if e.kv_pool.kv.device.type == "cuda":
             after = torch.cuda.Event()
             after.record()
+        staged = None
+        if self._followers is not None:
+            staged = PromptState.zeros_full(e.model.shard_plan, e.kv_pool, e.state_pool,
+                                            e.kv_pool.pages_for(header.prompt_len))
         return PoolReservation(
             header, page_ids, slot, kv=e.kv_pool.kv, conv=e.state_pool.conv,
             ssm=e.state_pool.ssm, draft_kv=e.speculator.draft_pool.kv if speculate else None,
-            free=lambda ids, s: self.call(self._free_room, ids, s), after=after, source=source)
+            free=lambda ids, s: self.call(self._free_room, ids, s), after=after, source=source,
+            staged=staged)
 
     def _free_room(self, page_ids: list[int], slot: int) -> None:
         self.engine.cache.give_back(page_ids, slot)
@@ -132,6 +144,8 @@ class DecodeEngine(EngineLoop):
             raise HandoffError("ALREADY_EXISTS", f"handoff {key} is already decoding")
         if res.copied is not None:
             torch.cuda.current_stream().wait_event(res.copied)  # the bytes are in the pools
+        if res.staged is not None:
+            self._scatter(res)
         try:
             event = e.admit_prefilled(key, list(h.spec.prompt_ids), first_token, h.spec.sampling,
                                       res.page_ids, res.slot,
@@ -145,6 +159,19 @@ class DecodeEngine(EngineLoop):
         self.metrics.admitted_request()
         self.metrics.tokens_emitted(1)
         self._emit(event)
+
+    def _scatter(self, res: PoolReservation) -> None:
+        """Every rank's part of the staged state into its pools. A group that fails
+        meanwhile cannot run another step: the engine stops, as after a failed step."""
+        e = self.engine
+        try:
+            self._followers.scatter_state(e.model, e.kv_pool, e.state_pool,
+                                          res.page_ids[:res.staged.num_pages], res.slot,
+                                          res.staged)
+        except GroupOutOfStep as exc:
+            self._free_room(res.page_ids, res.slot)
+            self.fail(exc)
+            raise
 
     def _abort(self, handoff_id: int) -> bool:
         found = self.engine.abort(str(handoff_id))

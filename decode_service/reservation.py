@@ -6,6 +6,10 @@ into those pages and that slot, on a writer thread and (on a GPU) on a copy stre
 nothing else reads or writes them until admission, which orders the engine's stream after the
 copies. Allocation and freeing (bookkeeping) stay on the engine thread.
 
+On rank 0 of a tensor-parallel worker the KV and GDN state land in a full-model staging state
+instead (``staged``; its pages in order, one slot): the pools hold only this rank's heads, and
+the engine scatters the staged state to every rank at admission (``decode_service/engine.py``).
+
 Payload layouts (``common/handoff/manifest.py``): ``kv [L, 2, pages, page, kv_heads, head_dim]``
 against the pool's ``[L, pool_pages, 2, page, kv_heads, head_dim]``; ``conv_state`` and
 ``ssm_state`` one slot of ``[L, slots, ...]``; ``dflash_context`` laid out like ``kv`` in the
@@ -23,6 +27,7 @@ import torch
 from common.handoff.errors import HandoffError
 from common.handoff.parts import HeaderPart, PoolCopyPart
 from common.handoff.reservation import host_bytes, write_bytes
+from common.parallel.prompt_state import PromptState
 from decode_service.peer_pools import SourcePools
 
 
@@ -61,17 +66,26 @@ class PoolReservation:
     ``release`` is idempotent and loses to an admission that already took the room. ``after``
     (a GPU) marks the engine's stream at reservation: copies wait for it. ``source``: the
     sender's pools, opened for the ``device`` transport (then ``copy_from`` serves).
+    ``staged``: a tensor-parallel worker's full-model staging state, where ``kv``,
+    ``conv_state`` and ``ssm_state`` land instead of the pools (``draft_kv`` is whole here).
     """
 
     def __init__(self, header: HeaderPart, page_ids: list[int], slot: int, *,
                  kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
                  draft_kv: torch.Tensor | None, free: Callable[[list[int], int], None],
                  after: torch.cuda.Event | None = None,
-                 source: SourcePools | None = None) -> None:
+                 source: SourcePools | None = None,
+                 staged: PromptState | None = None) -> None:
         self.header = header
         self.page_ids = page_ids
         self.slot = slot
         self._kv, self._conv, self._ssm, self._draft_kv = kv, conv, ssm, draft_kv
+        self.staged = staged
+        # where kv, conv_state and ssm_state land: the pools, or the staging state
+        self._landing = (page_ids, slot)
+        if staged is not None:
+            self._kv, self._conv, self._ssm = staged.kv, staged.conv, staged.ssm
+            self._landing = (list(range(staged.num_pages)), 0)
         self._free = free
         self.source = source  # the sender's pools, when the handoff comes as pool copies
         self._pool_copies = False
@@ -119,12 +133,13 @@ class PoolReservation:
 
     def _write(self, field: str, layer: int, offset: int, data: bytes | memoryview) -> None:
         num_pages = self.header.layout.num_pages(self.header.prompt_len)
+        page_ids, slot = self._landing
         if field == "kv":
-            write_paged(self._kv, layer, self.page_ids, num_pages, offset, data)
+            write_paged(self._kv, layer, page_ids, num_pages, offset, data)
         elif field == "conv_state":
-            write_bytes(self._conv[layer, self.slot], offset, data)
+            write_bytes(self._conv[layer, slot], offset, data)
         elif field == "ssm_state":
-            write_bytes(self._ssm[layer, self.slot], offset, data)
+            write_bytes(self._ssm[layer, slot], offset, data)
         elif field == "dflash_context":
             if self._draft_kv is not None:  # without a draft here the context is not needed
                 write_paged(self._draft_kv, layer, self.page_ids, num_pages, offset, data)

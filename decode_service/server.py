@@ -42,13 +42,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                  fingerprint: str, address: str, max_handoff_bytes: int,
                  shutdown: GracefulShutdown | None = None,
                  transport: str = "auto", idle_timeout_s: float = 60.0,
-                 tcp: TcpHandoffListener | None = None) -> None:
+                 tcp: TcpHandoffListener | None = None, open_peer_pools: bool = True) -> None:
         self.engine = engine
         # longer than any wait between two parts of a live handoff: a prompt queued on its
         # prefill worker, or the longest prefill chunk
         self.idle_timeout_s = idle_timeout_s
         # "stream" takes bytes only; "auto" and "device" open a same-host sender's pools
-        self.peers = PeerPools(shares_pools(transport), engine.pools)
+        # a sharded worker (--tp) opens none: its pools hold only its heads
+        self.peers = PeerPools(open_peer_pools and shares_pools(transport), engine.pools)
         # where chunks may come beside the stream ("auto" and "tcp"; None: on the stream only)
         self.tcp = tcp
         self.shutdown = shutdown or GracefulShutdown("decode worker")
@@ -271,7 +272,8 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
                          security: ServerSecurity = ServerSecurity(),
                          transport: str = "auto",
                          idle_timeout_s: float = 60.0,
-                         handoff_port: int = 0) -> DecodeService:
+                         handoff_port: int = 0,
+                         open_peer_pools: bool = True) -> DecodeService:
     """Engine thread (started), token streams and servicer on a bound server that demands
     ``security`` (docs/security.md). Call from the event loop that will serve it: the streams
     post engine events to that loop. Raises OSError when the port cannot be bound."""
@@ -293,7 +295,7 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
     add_decode_servicer(DecodeServicer(engine, streams, layout, fingerprint, address,
                                        max_handoff_bytes=max_handoff_bytes, shutdown=shutdown,
                                        transport=transport, idle_timeout_s=idle_timeout_s,
-                                       tcp=tcp),
+                                       tcp=tcp, open_peer_pools=open_peer_pools),
                         server)
     return DecodeService(server, health, engine, address, shutdown, tcp)
 

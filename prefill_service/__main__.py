@@ -10,10 +10,11 @@ from common.engine.factory import build_engine
 from common.grpc_util import bind, make_server, serve_until_signal
 from common.metrics.server import bind_metrics, start_metrics
 from common.metrics.tls import metrics_ssl_context
+from common.parallel.worker_group import (engine_tp, handoff_transport, settings_for_group,
+                                          shares_pools_at, worker_group)
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
 from common.security import Security
 from common.shutdown import GracefulShutdown
-from common.handoff.transports import shares_pools
 from common.worker_args import add_worker_args, engine_settings_from_args, run_worker
 from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
@@ -33,35 +34,43 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     address = bind(server, args.host, args.port, server_security.credentials())
     metrics_server = bind_metrics(args.host, args.metrics_port,
                                   metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca))
-    built = build_engine(engine_settings_from_args(args, prefill=True))
-    llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
-    # before the engine thread starts: the pools move into memory decode workers can open
-    shared = SharedPools(llm) if shares_pools(args.handoff_transport) else None
-    engine = PrefillEngine(llm, layout, fingerprint)
-    engine.start()
-    # the token goes with every handoff: decode workers take handoffs from cluster members only
-    reader = StateReader(*engine.pools, chunk_bytes=args.handoff_chunk_bytes,
-                         model_layers=ModelLayers(layout.full_attention_layers,
-                                                  layout.gdn_layers))
-    sender = HandoffSender(reader, security=security.internal_channel(),
-                           transport=args.handoff_transport, shared=shared,
-                           tcp_connections=args.handoff_tcp_connections)
-    servicer = PrefillServicer(engine, sender, address, llm.model.config.vocab_size,
-                               llm.eos_token_ids)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
-    start_metrics(metrics_server, engine.metrics.registry, "flashsplit-prefill")
+    transport = handoff_transport(args, "prefill")
+    # with --tp the followers start here and leave once the engine thread has stopped
+    group = worker_group(args)
+    with group as tp:
+        settings = settings_for_group(engine_settings_from_args(args, prefill=True), group)
+        built = build_engine(settings, tp=engine_tp(group, tp))
+        llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
+        # before the engine thread starts: the pools move into memory decode workers can open
+        shared = SharedPools(llm) if shares_pools_at(args, transport) else None
+        engine = PrefillEngine(llm, layout, fingerprint)
+        engine.start()
+        # the token goes with every handoff: decode workers take handoffs from cluster members
+        reader = StateReader(*engine.pools, chunk_bytes=args.handoff_chunk_bytes,
+                             model_layers=ModelLayers(layout.full_attention_layers,
+                                                      layout.gdn_layers))
+        sender = HandoffSender(reader, security=security.internal_channel(),
+                               transport=transport, shared=shared,
+                               tcp_connections=args.handoff_tcp_connections)
+        servicer = PrefillServicer(engine, sender, address, llm.model.config.vocab_size,
+                                   llm.eos_token_ids)
+        prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+        start_metrics(metrics_server, engine.metrics.registry, "flashsplit-prefill")
 
-    async def on_stop() -> None:
-        await sender.close()
+        async def on_stop() -> None:
+            await sender.close()
 
-    try:
-        return await serve_until_signal(server, health, [SERVICE_NAME],
-                                        f"flashsplit-prefill listening on {address}", on_stop,
-                                        args.grace, shutdown=shutdown, engine=engine)
-    finally:
-        engine.stop()
-        if metrics_server is not None:
-            metrics_server.stop()
+        try:
+            return await serve_until_signal(server, health, [SERVICE_NAME],
+                                            f"flashsplit-prefill listening on {address}",
+                                            on_stop, args.grace, shutdown=shutdown,
+                                            engine=engine)
+        finally:
+            engine.stop()
+            if engine.error is not None or engine.is_alive:
+                group.mark_broken()  # the followers may be inside a collective: end them
+            if metrics_server is not None:
+                metrics_server.stop()
 
 
 def build_parser() -> argparse.ArgumentParser:

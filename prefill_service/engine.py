@@ -18,6 +18,7 @@ from common.engine.loop import EngineLoop, resolve
 from common.handoff.layout import LayoutDescriptor
 from common.logprobs import TokenLogprobs
 from common.metrics.prefill_metrics import PrefillMetrics
+from common.parallel.prompt_state import PromptState
 from common.request_spec import RequestSpec
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,10 @@ class StateReady:
     # GDN state of ``slot`` is final (None: once ``final``)
     draft_pages: int | None = None
     states_final: bool | None = None
+    # a tensor-parallel engine's final report: the full model's KV of the prompt's pages (in
+    # order: page i of it is ``page_ids[i]``) and its GDN state (slot 0), gathered from every
+    # rank, since each rank's pools hold only its heads; read instead of the pools
+    gathered: PromptState | None = None
 
     @property
     def final(self) -> bool:
@@ -90,7 +95,12 @@ class PrefillEngine(EngineLoop):
     """``submit`` returns a future of the request's :class:`FirstToken` and reports each
     step's progress to the job's sink as :class:`StateReady` (on the engine thread: the sink
     must only hand it on). The request keeps its pages and slot until ``release`` (after the
-    decode side acknowledged, or on failure)."""
+    decode side acknowledged, or on failure).
+
+    With tensor parallelism (the engine's runner has followers) the state is reported once,
+    when the prompt is done, with every rank's part gathered to this one (``gathered``): the
+    gather is a collective of the whole group, so it runs here on the engine thread between
+    steps, once per prompt rather than once per chunk."""
 
     def __init__(self, engine: LLMEngine, layout: LayoutDescriptor, fingerprint: str) -> None:
         super().__init__("prefill-engine")
@@ -103,7 +113,10 @@ class PrefillEngine(EngineLoop):
         self._reported: dict[str, int] = {}  # pages already reported per request
         # a sink that raised while a forward was queued: the request ends after that step
         self._broken: dict[str, Exception] = {}
-        engine.on_extend_queued = self._extend_queued
+        # the tensor-parallel followers, whose parts of a request's state are gathered here
+        self._followers = engine.runner.followers
+        if self._followers is None:  # sharded pools cannot be read layer by layer
+            engine.on_extend_queued = self._extend_queued
         # per request: when it was submitted, and when the first step that ran it began
         self._submitted: dict[str, float] = {}
         self._started: dict[str, float] = {}
@@ -201,16 +214,21 @@ class PrefillEngine(EngineLoop):
                 self.metrics.prompt_started(began - self._submitted[key])
             event = events.get(key)
             first = None if event is None else FirstToken(event.token_id, event.logprobs)
+            if first is None and self._followers is not None:
+                continue  # sharded: the state goes once, whole, when the prompt is done
             pages = self._final_pages(req, first is not None)
             if first is None and pages == self._reported[key] and key not in self._broken:
                 continue  # this chunk completed no page (or its forward reported them)
             self._reported[key] = pages
+            # a failure here leaves the group out of step: it ends the engine, not the request
+            gathered = None if self._followers is None else self._gather(req, pages)
             try:
                 if key in self._broken:
                     raise self._broken.pop(key)
                 sink(StateReady(tuple(req.page_ids), req.slot, pages, req.speculative,
                                 event.token_id if event else None, ready,
-                                first_logprobs=event.logprobs if event else None))
+                                first_logprobs=event.logprobs if event else None,
+                                gathered=gathered))
             except Exception as exc:  # the sink's owner is gone: end this request only
                 log.exception("handoff %s: reporting progress failed", key)
                 self._finish(key)
@@ -222,6 +240,12 @@ class PrefillEngine(EngineLoop):
                 self.metrics.prompt_done(len(req.prompt_ids), ended - started)
                 if not resolve(result, first):  # its caller went away meanwhile
                     self.engine.release(key)
+
+    def _gather(self, req, pages: int) -> PromptState:
+        """The full model's state of ``req``'s first ``pages`` pages and its slot."""
+        e = self.engine
+        return self._followers.gather_state(e.model, e.kv_pool, e.state_pool,
+                                            req.page_ids[:pages], req.slot)
 
     def _finish(self, key: str) -> tuple[PrefillJob, Future, ReadySink] | None:
         """Stop tracking a request; its entry, if it was tracked."""

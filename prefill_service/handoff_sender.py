@@ -25,7 +25,7 @@ from common import convert
 from common.auth import TOKEN_HEADER
 from common.channels import ChannelSecurity, make_channel
 from common.handoff.tcp_frames import tcp_host
-from common.handoff.transports import shares_pools, takes_tcp
+from common.handoff.transports import takes_tcp
 from common.handoff.parts import HeaderPart, PoolCopyPart, TrailerPart
 from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc
@@ -292,8 +292,8 @@ class HandoffSender:
                  shared: SharedPools | None = None, tcp_connections: int = 1) -> None:
         if tcp_connections < 1:
             raise ValueError(f"--handoff-tcp-connections must be >= 1, got {tcp_connections}")
-        if shares_pools(transport) and shared is None:
-            raise ValueError(f"--handoff-transport {transport} needs the pools shared")
+        if transport == "device" and shared is None:
+            raise ValueError("--handoff-transport device needs the pools shared")
         if transport == "tcp" and security.tls is not None:
             raise ValueError("--handoff-transport tcp sends plaintext: not with TLS")
         self.reader = reader

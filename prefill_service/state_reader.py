@@ -7,6 +7,10 @@ host memory; only this thread waits for it.
 Pages and the slot of a held request are not written again until it is released, so reading
 them while the engine runs other requests is safe.
 
+A tensor-parallel worker's report carries the full model's state gathered from every rank
+(``StateReady.gathered``): its KV and GDN state are read from that instead of the pools, which
+hold only this rank's heads. The draft's pool is whole on rank 0 and is read as before.
+
 Payload layouts (``common/handoff/manifest.py``): ``kv`` and ``dflash_context`` are
 ``[L, 2, pages, page, kv_heads, head_dim]`` (K of every page, then V), so pages ``[a, b)`` of
 one layer are two byte ranges: ``[a, b)`` and ``[N + a, N + b)`` pages in, ``N`` being the
@@ -76,6 +80,8 @@ class StateReader:
             return
         ids = list(ready.page_ids[start:end])
         pool = self._kv if name == "kv" else self._draft_kv
+        if name == "kv" and ready.gathered is not None:
+            pool, ids = ready.gathered.kv, list(range(start, end))  # its pages are in order
         last = end == prompt.num_pages
         tail = prompt.num_pages * prompt.page_size - prompt.prompt_len if last else 0
         pieces = []
@@ -102,9 +108,12 @@ class StateReader:
     def states(self, ready: StateReady,
                ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
         """Chunks of the request's final GDN conv and recurrent state."""
+        conv, ssm, slot = self._conv, self._ssm, ready.slot
+        if ready.gathered is not None:
+            conv, ssm, slot = ready.gathered.conv, ready.gathered.ssm, 0
         pieces = [_Piece(name, layer, self._layer_event(ready, name, layer), 0,
-                         lambda pool=pool, layer=layer: pool[layer, ready.slot])
-                  for name, pool in (("conv_state", self._conv), ("ssm_state", self._ssm))
+                         lambda pool=pool, layer=layer: pool[layer, slot])
+                  for name, pool in (("conv_state", conv), ("ssm_state", ssm))
                   for layer in range(pool.shape[0])]
         for piece, host in self._to_host(pieces, ready):
             yield from encode_layer(piece.field, piece.layer, 0, memoryview(host.reshape(-1)),

@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(0 = any free port; default: no HTTP API)")
     up.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes")
     up.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
+    for kind in ("prefill", "decode"):  # the two sizes need not be equal
+        up.add_argument(f"--{kind}-tp", type=int, default=1, metavar="N",
+                        help=f"each {kind} worker's --tp: the model sharded over N processes")
     up.add_argument("--device", default=None,
                     help="device of every worker, or a comma-separated list given to the "
                          "workers in order, prefill first (e.g. cuda:0,cuda:1)")
@@ -318,6 +321,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                    else ("--max-prompt-tokens", str(args.max_prompt_tokens)))
     return ClusterConfig(model=args.model, host=args.host, router_port=args.port,
                          num_prefill=args.prefill_workers, num_decode=args.decode_workers,
+                         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                          worker_args=tuple(worker_args), devices=devices,
                          mem_fraction=args.mem_fraction,
                          router_args=router_args, grace_s=args.grace,

@@ -57,6 +57,10 @@ class ClusterConfig:
     router_port: int = 0
     num_prefill: int = 1
     num_decode: int = 1
+    # each prefill (decode) worker's --tp: it shards the model over that many processes,
+    # which it starts itself; the two sizes need not be equal
+    prefill_tp: int = 1
+    decode_tp: int = 1
     worker_args: tuple[str, ...] = ()
     # after worker_args, to one kind only (a later flag wins): e.g. a transport per side
     prefill_args: tuple[str, ...] = ()
@@ -92,6 +96,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode worker")
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError("a worker's tensor-parallel size must be at least 1")
 
 
 @dataclass
@@ -246,8 +252,9 @@ class Cluster:
         try:
             for i, kind in enumerate(kinds):
                 module = c.prefill_module if kind == "prefill" else c.decode_module
+                tp = c.prefill_tp if kind == "prefill" else c.decode_tp
                 args = ["-m", module, "--host", c.host, "--port", "0", "--model", c.model,
-                        *c.worker_args,
+                        *(["--tp", str(tp)] if tp > 1 else []), *c.worker_args,
                         *(c.prefill_args if kind == "prefill" else c.decode_args),
                         *self._grace_args(), *self._log_args(),
                         *(["--metrics-port", "0"] if c.metrics else [])]

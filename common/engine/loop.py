@@ -77,6 +77,15 @@ class EngineLoop(ABC):
         """A step failed for ``exc.request_ids`` only (already ended and freed): tell their
         callers."""
 
+    def fail(self, exc: BaseException) -> None:
+        """From a command on the engine thread: the engine cannot go on (a tensor-parallel
+        group out of step after a collective outside a step). It stops as after a step that
+        raised: later calls fail, the loop ends, :meth:`on_fatal` tells the callers."""
+        log.error("engine failed: %s", exc)
+        self.error = exc
+        self._stopping.set()
+        self.on_fatal(exc)
+
     def on_fatal(self, exc: BaseException) -> None:
         """Called once if a step raises anything but :class:`StepFailed`: the engine state (or
         the device) can no longer be trusted."""

@@ -10,6 +10,10 @@ their shard of the model and of the pools, and do what rank 0 broadcasts, in ord
 - :class:`CommitVerified`: fold the accepted prefix of the latest VERIFY forward into the GDN
   state (DFLASH: rank 0 runs the draft and decides acceptance; the followers only verify and
   commit);
+- :class:`GatherState` / :class:`ScatterState`: send this rank's part of one request's KV
+  pages and GDN slot to rank 0, or take its part of a full state from rank 0
+  (``common/parallel/prompt_state.py``): a handoff carries the full model's state, and only
+  rank 0 speaks to the other worker;
 - :class:`Stop`: leave the loop.
 
 Tokens are decided once, on rank 0: a follower never samples, because the next forward's token
@@ -26,7 +30,10 @@ import torch
 
 from common.cache.pools import CacheConfig, make_pools
 from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.engine.errors import GroupOutOfStep
+from common.parallel import prompt_state
 from common.parallel.group import TensorParallelGroup
+from common.parallel.prompt_state import PromptState
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,18 @@ class CommitVerified:
 
 
 @dataclass(frozen=True)
+class GatherState:
+    page_ids: list[int]  # the request's prompt pages, in order
+    slot: int
+
+
+@dataclass(frozen=True)
+class ScatterState:
+    page_ids: list[int]  # where the prompt's pages land, in order
+    slot: int
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
@@ -83,6 +102,34 @@ class FollowerLink:
 
     def stop(self) -> None:
         self.tp.broadcast_object(Stop())
+
+    def gather_state(self, model, kv_pool, state_pool, page_ids, slot: int) -> PromptState:
+        """The full model's state of one request (on the CPU), every rank's part gathered
+        here. Raises GroupOutOfStep when the group fails meanwhile."""
+        page_ids = [int(p) for p in page_ids]
+        self.tp.broadcast_object(GatherState(page_ids, slot))
+        try:
+            local = prompt_state.read_from_pools(kv_pool, state_pool, page_ids, slot)
+            full = PromptState.zeros_full(model.shard_plan, kv_pool, state_pool, len(page_ids))
+            return prompt_state.gather_to_leader(self.tp, model.shard_plan, local, full)
+        except Exception as exc:
+            raise GroupOutOfStep(f"gathering a prompt state failed: {type(exc).__name__}: "
+                                 f"{exc}") from exc
+
+    def scatter_state(self, model, kv_pool, state_pool, page_ids, slot: int,
+                      full: PromptState) -> None:
+        """Land a full-model state of one request on every rank: each writes its part into
+        its pools at ``page_ids`` (in order) and ``slot``. Raises GroupOutOfStep when the
+        group fails meanwhile."""
+        page_ids = [int(p) for p in page_ids]
+        self.tp.broadcast_object(ScatterState(page_ids, slot))
+        try:
+            like = prompt_state.part_like(kv_pool, state_pool, len(page_ids))
+            part = prompt_state.scatter_from_leader(self.tp, model.shard_plan, like, full)
+            prompt_state.write_to_pools(kv_pool, state_pool, page_ids, slot, part)
+        except Exception as exc:
+            raise GroupOutOfStep(f"scattering a prompt state failed: {type(exc).__name__}: "
+                                 f"{exc}") from exc
 
 
 class Follower:
@@ -109,6 +156,10 @@ class Follower:
                 self.forward(message.batch_args)
             elif isinstance(message, CommitVerified):
                 self.commit(message.accepted_lens)
+            elif isinstance(message, GatherState):
+                self.gather_state(message)
+            elif isinstance(message, ScatterState):
+                self.scatter_state(message)
             else:
                 raise TypeError(f"unknown message {type(message).__name__}")
 
@@ -136,6 +187,17 @@ class Follower:
                 self.state_pool.ssm[:, fresh] = 0
         self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)
         self.last_batch = batch
+
+    def gather_state(self, message: GatherState) -> None:
+        local = prompt_state.read_from_pools(self.kv_pool, self.state_pool, message.page_ids,
+                                             message.slot)
+        prompt_state.gather_to_leader(self.tp, self.model.shard_plan, local)
+
+    def scatter_state(self, message: ScatterState) -> None:
+        like = prompt_state.part_like(self.kv_pool, self.state_pool, len(message.page_ids))
+        part = prompt_state.scatter_from_leader(self.tp, self.model.shard_plan, like)
+        prompt_state.write_to_pools(self.kv_pool, self.state_pool, message.page_ids,
+                                    message.slot, part)
 
     def commit(self, accepted_lens: list[int]) -> None:
         if self.last_batch is None or self.last_batch.mode != ForwardMode.VERIFY:

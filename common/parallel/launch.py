@@ -83,6 +83,7 @@ class LocalGroup:
         self.timeout_s = timeout_s
         self.processes: list[multiprocessing.Process] = []
         self.tp: TensorParallelGroup | None = None
+        self.broken = False  # set by mark_broken
         self._restore = None  # how to put this process's threads or device back
 
     @property
@@ -140,11 +141,17 @@ class LocalGroup:
                 raise TimeoutError(f"the followers did not start within {self.timeout_s} s")
             time.sleep(POLL_S)
 
+    def mark_broken(self) -> None:
+        """Rank 0 can no longer meet the followers in a collective (its engine stopped on an
+        error, or may still be inside a step): on leaving, they are ended, not told to stop."""
+        self.broken = True
+
     def __exit__(self, exc_type, *exc) -> None:
         if self.tp is not None and self.tp.world_size > 1:
             # leaving on an error, the followers may be inside a collective that rank 0 will
             # never join: a Stop would not reach them, so they are ended instead
-            if exc_type is None and all(p.is_alive() for p in self.processes):
+            if (exc_type is None and not self.broken
+                    and all(p.is_alive() for p in self.processes)):
                 try:
                     FollowerLink(self.tp).stop()
                 except RuntimeError:  # a follower went away while being told

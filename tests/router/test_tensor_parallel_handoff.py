@@ -1,0 +1,67 @@
+"""Workers with ``--tp``, through real processes: router -> prefill -> decode gives the TP 1
+in-process greedy tokens whatever the two ends' parallel sizes (the handoff carries the full
+model's state: gathered to the prefill worker's rank 0, scattered from the decode worker's), and
+every worker's pools end full. The built-in ``tiny`` model splits at 2 (4 query heads over 2 KV
+heads, 4 GDN value heads over 2 key heads) and not at 3."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from common.model.load import load_model
+from router.cli import build_parser, cluster_config_from_args
+from router.cluster import Cluster, ClusterConfig
+from tests.router.test_end_to_end import CHUNKED, generate_all, local_greedy, wait_all_free
+
+# a prompt within one chunk and one page, and one over several chunks and pages
+PROMPTS = [[5, 17, 200], [(i * 37 + 11) % 256 for i in range(23)]]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return local_greedy(load_model("tiny"), PROMPTS)
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 2)])
+def test_handoff_between_parallel_sizes_gives_tp1_tokens(prefill_tp, decode_tp, expected):
+    # auto: a sharded end offers (opens) no pools, so the state goes as bytes (over TCP)
+    config = ClusterConfig(model="tiny", worker_args=CHUNKED, prefill_tp=prefill_tp,
+                           decode_tp=decode_tp)
+    with Cluster(config) as cluster:
+        outs = asyncio.run(generate_all(cluster.router_address, PROMPTS))
+        reports = asyncio.run(wait_all_free(cluster))
+        logs = {w.kind: w.stderr_tail(200) for w in cluster.workers}
+    assert [o.token_ids for o in outs] == expected
+    assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
+    assert "handoff chunks over TCP: listening" in logs["decode"]
+    for kind, tp, verb in (("prefill", prefill_tp, "offered"), ("decode", decode_tp, "opened")):
+        said = f"the device handoff transport is not {verb}" in logs[kind]
+        assert said == (tp > 1), logs[kind]
+
+
+def start_worker(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, "--model", "tiny", "--insecure-no-auth",
+                           *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("module", ["prefill_service", "decode_service"])
+def test_a_tp_that_does_not_divide_the_heads_exits_2(module):
+    proc = start_worker(module, "--tp", "3")
+    assert proc.returncode == 2
+    assert "4 heads cannot be split over 3 ranks" in proc.stderr
+
+
+def test_pools_sized_by_memory_with_tp_exit_2():
+    proc = start_worker("decode_service", "--tp", "2", "--mem-fraction", "0.5")
+    assert proc.returncode == 2
+    assert "--mem-fraction with --tp is not built yet" in proc.stderr
+
+
+def test_up_passes_each_kind_its_tp():
+    args = build_parser().parse_args(["up", "--prefill-tp", "2", "--decode-tp", "4"])
+    config = cluster_config_from_args(args)
+    assert (config.prefill_tp, config.decode_tp) == (2, 4)
