@@ -15,7 +15,8 @@ import pytest
 from common.model.load import load_model
 from router.cli import build_parser, cluster_config_from_args
 from router.cluster import Cluster, ClusterConfig
-from tests.router.test_end_to_end import CHUNKED, generate_all, local_greedy, wait_all_free
+from tests.router.test_end_to_end import (CHUNKED, generate_all, local_greedy, wait_all_free,
+                                          worker_load)
 
 # a prompt within one chunk and one page, and one over several chunks and pages
 PROMPTS = [[5, 17, 200], [(i * 37 + 11) % 256 for i in range(23)]]
@@ -41,6 +42,24 @@ def test_handoff_between_parallel_sizes_gives_tp1_tokens(prefill_tp, decode_tp, 
     for kind, tp, verb in (("prefill", prefill_tp, "offered"), ("decode", decode_tp, "opened")):
         said = f"the device handoff transport is not {verb}" in logs[kind]
         assert said == (tp > 1), logs[kind]
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_dflash_across_parallel_sizes_is_lossless(prefill_tp, decode_tp, expected):
+    """The draft runs whole on rank 0 of each worker and its context goes in the handoff: greedy
+    output with speculation is plain greedy output, every token after the first from a DFLASH
+    step, and the chunks went over TCP (a sharded worker offers no pools)."""
+    config = ClusterConfig(model="tiny", worker_args=CHUNKED + ("--draft", "tiny"),
+                           prefill_tp=prefill_tp, decode_tp=decode_tp)
+    with Cluster(config) as cluster:
+        outs = asyncio.run(generate_all(cluster.router_address, PROMPTS))
+        reports = asyncio.run(wait_all_free(cluster))
+        (prefill,) = [w for w in cluster.workers if w.kind == "prefill"]
+        load = asyncio.run(worker_load(prefill.address, "prefill", cluster.internal_token))
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.accept_lengths and sum(o.accept_lengths) >= len(o.token_ids) - 1 for o in outs)
+    assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
+    assert load.counters["handoffs_over_tcp"] == len(PROMPTS)
 
 
 def start_worker(module: str, *args: str) -> subprocess.CompletedProcess:
