@@ -192,11 +192,8 @@ class HandoffStream:
         self._states_sent = self._states_sent or states
 
         def produce():
-            for name, start, end in ranges:
-                yield from self._reader.pages(ready, name, start, end, self._prompt,
-                                              self._ledgers)
-            if states:
-                yield from self._reader.states(ready, self._ledgers)
+            # in the order the forward writes them (each piece after its own layer's event)
+            return self._reader.read(ready, ranges, states, self._prompt, self._ledgers)
 
         if self._connections:
             await self._send_over_tcp(produce)

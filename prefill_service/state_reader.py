@@ -73,11 +73,42 @@ class StateReader:
             host_buffers = HostBufferPool(HostBufferPoolConfig(4 * piece_bytes, pin_memory=True))
         self.host_buffers = host_buffers if on_gpu else None
 
+    def read(self, ready: StateReady, page_ranges: list[tuple[str, int, int]], states: bool,
+             prompt: PromptShape,
+             ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
+        """Chunks of ``page_ranges`` (``(field, start page, end page)``) and, with ``states``,
+        of the GDN conv and recurrent state, in the order the forward writes them: each piece
+        after the model layer that wrote it, the draft's context (written after the whole
+        forward) last. So within a prompt's last chunk each GDN layer's state goes while the
+        later layers run, instead of after the last attention layer's KV, and only the last
+        layer's data is left when the forward ends."""
+        pieces = [p for name, start, end in page_ranges
+                  for p in self._page_pieces(ready, name, start, end, prompt)]
+        if states:
+            pieces += self._state_pieces(ready)
+        pieces.sort(key=self._written_at)  # stable: a layer's pieces keep their order
+        for piece, host in self._to_host(pieces, ready):
+            yield from self._encode(piece, host, prompt, ledgers)
+
     def pages(self, ready: StateReady, name: str, start: int, end: int, prompt: PromptShape,
               ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
         """Chunks of pages ``[start, end)`` of ``name`` (``kv`` or ``dflash_context``)."""
+        return self.read(ready, [(name, start, end)], False, prompt, ledgers)
+
+    def states(self, ready: StateReady,
+               ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
+        """Chunks of the request's final GDN conv and recurrent state."""
+        return self.read(ready, [], True, PromptShape(1, 1), ledgers)
+
+    def _written_at(self, piece: _Piece) -> float:
+        index = (None if self.model_layers is None
+                 else self.model_layers.model_layer(piece.field, piece.layer))
+        return float("inf") if index is None else index
+
+    def _page_pieces(self, ready: StateReady, name: str, start: int, end: int,
+                     prompt: PromptShape) -> list[_Piece]:
         if end <= start:
-            return
+            return []
         ids = list(ready.page_ids[start:end])
         pool = self._kv if name == "kv" else self._draft_kv
         if name == "kv" and ready.gathered is not None:
@@ -97,27 +128,29 @@ class StateReader:
                         name, layer, event, (start + a, page_bytes),
                         lambda pool=pool, layer=layer, piece_ids=piece_ids, t=piece_tail:
                             _gather(pool, layer, piece_ids, t)))
-        for piece, host in self._to_host(pieces, ready):
-            first, page_bytes = piece.where
-            halves = host.reshape(2, -1)
-            for half in (0, 1):
-                offset = (half * prompt.num_pages + first) * page_bytes
-                yield from encode_layer(piece.field, piece.layer, offset,
-                                        memoryview(halves[half]), ledgers, self.chunk_bytes)
+        return pieces
 
-    def states(self, ready: StateReady,
-               ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
-        """Chunks of the request's final GDN conv and recurrent state."""
+    def _state_pieces(self, ready: StateReady) -> list[_Piece]:
         conv, ssm, slot = self._conv, self._ssm, ready.slot
         if ready.gathered is not None:
             conv, ssm, slot = ready.gathered.conv, ready.gathered.ssm, 0
-        pieces = [_Piece(name, layer, self._layer_event(ready, name, layer), 0,
-                         lambda pool=pool, layer=layer: pool[layer, slot])
-                  for name, pool in (("conv_state", conv), ("ssm_state", ssm))
-                  for layer in range(pool.shape[0])]
-        for piece, host in self._to_host(pieces, ready):
+        return [_Piece(name, layer, self._layer_event(ready, name, layer), None,
+                       lambda pool=pool, layer=layer: pool[layer, slot])
+                for name, pool in (("conv_state", conv), ("ssm_state", ssm))
+                for layer in range(pool.shape[0])]
+
+    def _encode(self, piece: _Piece, host, prompt: PromptShape,
+                ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
+        if piece.where is None:  # a layer of a GDN state: its bytes from offset 0
             yield from encode_layer(piece.field, piece.layer, 0, memoryview(host.reshape(-1)),
                                     ledgers, self.chunk_bytes)
+            return
+        first, page_bytes = piece.where  # pages: K's bytes, then V's, of this run of pages
+        halves = host.reshape(2, -1)
+        for half in (0, 1):
+            offset = (half * prompt.num_pages + first) * page_bytes
+            yield from encode_layer(piece.field, piece.layer, offset,
+                                    memoryview(halves[half]), ledgers, self.chunk_bytes)
 
     def _layer_event(self, ready: StateReady, field: str, layer: int):
         """What a read of ``layer`` of ``field`` waits for: the event after the model layer
@@ -208,7 +241,7 @@ class _Piece:
     field: str
     layer: int
     event: object  # torch.cuda.Event or None
-    where: object
+    where: tuple[int, int] | None  # (first page, page bytes) of a run of pages; None: a state
     gather: Callable[[], torch.Tensor]
 
 

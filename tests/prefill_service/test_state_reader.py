@@ -136,3 +136,28 @@ def test_gpu_reads_wait_for_each_layer_and_reuse_pinned_buffers():
         assert torch.equal(got[name], want[name]), name
     assert reader.host_buffers.pinned and reader.host_buffers.num_buffers == 0
     reader.close()
+
+
+def test_a_last_chunk_is_read_in_the_order_the_forward_writes_it():
+    """KV layers of model layers 1, 3, 5 and GDN layers of 0 and 2: a final report reads each
+    layer's pieces after the model layer that writes them, GDN state between the attention
+    layers' KV, and the draft's context (written after the forward) last; the bytes still
+    rebuild the payload."""
+    kv, conv, ssm, draft = pools()
+    reader = StateReader(kv, conv, ssm, draft, 1 << 20, piece_bytes=1 << 20,
+                         model_layers=ModelLayers((1, 3, 5), (0, 2)))
+    final = StateReady((7, 2, 9), 1, 3, True, first_token=3)
+    prompt = PromptShape(12, PAGE)
+    ledgers = new_ledgers({
+        "kv": FieldSpec("float32", (LAYERS, 2, 3, PAGE, HEADS, DIM)),
+        "dflash_context": FieldSpec("float32", (1, 2, 3, PAGE, HEADS, DIM)),
+        "conv_state": FieldSpec("float32", tuple(conv[:, 1].shape)),
+        "ssm_state": FieldSpec("float32", tuple(ssm[:, 1].shape))})
+    order = []
+    for message in reader.read(final, [("kv", 0, 3), ("dflash_context", 0, 3)], True, prompt,
+                               ledgers):
+        chunk = decode_chunk(message)
+        if not order or order[-1] != (chunk.field, chunk.layer):
+            order.append((chunk.field, chunk.layer))
+    assert order == [("conv_state", 0), ("ssm_state", 0), ("kv", 0), ("conv_state", 1),
+                     ("ssm_state", 1), ("kv", 1), ("kv", 2), ("dflash_context", 0)]
