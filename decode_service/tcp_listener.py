@@ -82,11 +82,16 @@ class TcpHandoffListener:
     """
 
     def __init__(self, host: str, port: int, accepts: Callable[[str | None], bool],
-                 max_ahead: int = 8) -> None:
+                 max_ahead: int = 8, max_connections: int = 256,
+                 hello_timeout_s: float = 5.0) -> None:
         if max_ahead < 1:
             raise ValueError(f"max_ahead must be >= 1, got {max_ahead}")
         self._accepts = accepts
         self._max_ahead = max_ahead
+        # a connection holds a thread: bound how many, and how long one may stay silent
+        # before its hello
+        self._max_connections = max_connections
+        self._hello_timeout_s = hello_timeout_s
         self._lock = threading.Lock()
         self._offers: dict[bytes, TcpOffer] = {}
         self._connections: set[socket.socket] = set()
@@ -119,7 +124,9 @@ class TcpHandoffListener:
     def close(self) -> None:
         """Stop accepting and end every connection (their reader threads then exit)."""
         self._closed.set()
-        for sock in [self._sock, *self._connections]:
+        with self._lock:
+            connections = list(self._connections)
+        for sock in [self._sock, *connections]:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -132,9 +139,16 @@ class TcpHandoffListener:
                 sock, peer = self._sock.accept()
             except OSError:
                 return  # closed
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                self._connections.add(sock)
+                full = len(self._connections) >= self._max_connections
+                if not full:
+                    self._connections.add(sock)
+            if full:
+                log.warning("handoff connection from %s refused: %d connections are open",
+                            peer, self._max_connections)
+                sock.close()
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
                              name="handoff-tcp-reader").start()
 
@@ -142,10 +156,12 @@ class TcpHandoffListener:
         reader = sock.makefile("rb", buffering=_READ_BUFFER)
         carried: set[bytes] = set()  # tickets this connection brought frames for
         try:
+            sock.settimeout(self._hello_timeout_s)
             if not self._accepts(read_hello(reader.read)):
                 log.warning("handoff connection from %s refused: wrong internal token", peer)
                 return
             sock.sendall(OK)
+            sock.settimeout(None)  # between handoffs a connection may idle for hours
             room = threading.Semaphore(self._max_ahead)
             while not self._closed.is_set():
                 head = reader.read(FRAME_HEADER_BYTES)

@@ -86,3 +86,21 @@ def test_a_broken_connection_tells_the_handoffs_it_carried():
         listener.close()
 
     asyncio.run(scenario())
+
+
+def test_a_silent_connection_is_dropped_and_connections_are_bounded():
+    listener = TcpHandoffListener("127.0.0.1", 0, accepts=lambda token: True,
+                                  max_connections=2, hello_timeout_s=0.3)
+    try:
+        silent = socket.create_connection(("127.0.0.1", listener.port), timeout=5)
+        assert silent.recv(1) == b""  # no hello within the timeout: closed
+        silent.close()
+        held = [_connect(listener.port, None) for _ in range(2)]
+        assert all(sock.recv(1) == OK for sock in held)
+        extra = _connect(listener.port, None)
+        assert extra.recv(1) == b""  # a third while two are open: closed at once
+        extra.close()
+        for sock in held:
+            sock.close()
+    finally:
+        listener.close()
