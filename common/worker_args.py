@@ -134,7 +134,8 @@ def engine_settings_from_args(args: argparse.Namespace, *, prefill: bool) -> Eng
     return EngineSettings(model=args.model, draft=args.draft, block_size=args.block_size,
                           dtype=dtype_from_args(args), kernels=args.kernels, engine=config,
                           pools=pool_request_from_args(args, config, prefill=prefill),
-                          warmup="always", progress=not args.no_progress)
+                          warmup="always", progress=not args.no_progress,
+                          expert_parallel=args.expert_parallel)
 
 
 def pool_request_from_args(args: argparse.Namespace, config: EngineConfig, *,

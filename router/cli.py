@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"every worker's: {worker_help['--disable-cuda-graph']}")
     up.add_argument("--disable-overlap-schedule", action="store_true",
                     help=f"every worker's: {worker_help['--disable-overlap-schedule']}")
+    up.add_argument("--expert-parallel", action="store_true",
+                    help=f"every worker's: {worker_help['--expert-parallel']}")
     up.add_argument("--start-timeout", type=float, default=600.0,
                     help="seconds each process may take to become ready")
     up.add_argument("--grace", type=float, default=5.0,
@@ -313,7 +315,7 @@ def cluster_config_from_args(args: argparse.Namespace):
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             worker_args += [flag, str(value)]
-    for flag in ("--disable-cuda-graph", "--disable-overlap-schedule"):
+    for flag in ("--disable-cuda-graph", "--disable-overlap-schedule", "--expert-parallel"):
         if getattr(args, flag.lstrip("-").replace("-", "_")):
             worker_args.append(flag)
     devices = tuple(d for d in (args.device or "").split(",") if d)

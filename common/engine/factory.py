@@ -122,6 +122,9 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
                            expert_parallel=settings.expert_parallel)
         FollowerLink(tp).load(ShardSettings(settings.model, settings.dtype, settings.kernels,
                                             config.cache, settings.expert_parallel))
+        log.info("tensor parallel over %d ranks%s", world_size,
+                 ", routed experts placed whole (expert parallel)" if settings.expert_parallel
+                 else "")
     model = load_model(settings.model, dtype=settings.dtype, device=config.device,
                        kernels=select_kernel_set(settings.kernels, config.device),
                        progress=settings.progress, tp=tp,

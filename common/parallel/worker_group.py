@@ -29,6 +29,9 @@ def add_tp_arg(p: argparse.ArgumentParser) -> None:
                    help="shard the model over N processes on this host (tensor parallelism): "
                         "this process is rank 0 and serves; it starts the other N-1 "
                         "(docs/tensor_parallel.md). On the CPU they share the host's cores")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tp: place a MoE model's routed experts whole on the ranks "
+                        "(default: each expert's matrices split over them)")
 
 
 def check_tp_args(args: argparse.Namespace) -> None:
@@ -44,7 +47,8 @@ def check_tp_args(args: argparse.Namespace) -> None:
     from common.model.load import load_config
     from common.parallel.shard_plan import ShardPlan
 
-    ShardPlan.for_rank(load_config(args.model), 0, args.tp)
+    ShardPlan.for_rank(load_config(args.model), 0, args.tp,
+                       expert_parallel=args.expert_parallel)
 
 
 def worker_group(args: argparse.Namespace) -> LocalGroup:

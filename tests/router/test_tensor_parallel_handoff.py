@@ -7,6 +7,7 @@ heads, 4 GDN value heads over 2 key heads) and not at 3."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 
@@ -60,6 +61,32 @@ def test_dflash_across_parallel_sizes_is_lossless(prefill_tp, decode_tp, expecte
     assert all(o.accept_lengths and sum(o.accept_lengths) >= len(o.token_ids) - 1 for o in outs)
     assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
     assert load.counters["handoffs_over_tcp"] == len(PROMPTS)
+
+
+def test_expert_parallel_workers_hand_off_a_moe_models_state(tmp_path):
+    """A MoE checkpoint with its experts placed whole on the prefill worker's two ranks
+    (``up --expert-parallel``), and split inside each expert on the decode worker's two:
+    router -> prefill -> decode gives the unsharded model's greedy tokens."""
+    from tests.common.model.checkpoints import make_checkpoint
+
+    path = make_checkpoint("qwen3_5_moe_text", tmp_path / "moe")
+    want = local_greedy(load_model(str(path)), PROMPTS)
+    args = build_parser().parse_args(["up", "--model", str(path), "--prefill-tp", "2",
+                                      "--expert-parallel", "--page-size", "4"])
+    config = cluster_config_from_args(args)
+    assert "--expert-parallel" in config.worker_args
+    # the decode worker splits each expert instead: only the prefill side gets the flag
+    config = dataclasses.replace(config, worker_args=CHUNKED, prefill_args=("--expert-parallel",),
+                                 decode_tp=2)
+    with Cluster(config) as cluster:
+        outs = asyncio.run(generate_all(cluster.router_address, PROMPTS))
+        reports = asyncio.run(wait_all_free(cluster))
+        logs = {w.kind: w.stderr_tail(200) for w in cluster.workers}
+    assert [o.token_ids for o in outs] == want
+    assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
+    assert "routed experts placed whole" in logs["prefill"]
+    assert "tensor parallel over 2 ranks" in logs["decode"]
+    assert "routed experts placed whole" not in logs["decode"]
 
 
 def start_worker(module: str, *args: str) -> subprocess.CompletedProcess:
