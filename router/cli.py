@@ -13,55 +13,13 @@ from common.cli_help import HelpFormatter
 from common.logging_setup import EchoWriter, add_log_format_arg
 from common.model.registry import DEFAULT_MODEL
 from common.sampling import SamplingParams
+from router.sampling_args import (add_sampling_args, logprobs_json, parse_ids,
+                                  sampling_from_args, speculative_choice)
 from common.security import add_client_args, client_channel_from
 
 _DESCRIPTION = ("flashsplit serves hybrid Gated-DeltaNet models (Qwen3.5, Qwen3-Next) with "
                 "prefill and decode as separate gRPC services behind a router. "
                 "'flashsplit COMMAND --help' lists a command's flags.")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=16,
-                   help="most tokens to generate, the first included")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="keep the most likely tokens up to this total probability (1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens below this times the most likely one's probability "
-                        "(0 = off)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the request's random stream (default: a random one)")
-    p.add_argument("--stop-token-ids", type=str, default="",
-                   help="comma-separated ids that end generation")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="keep generating past end-of-sequence tokens")
-    p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="report each token's log-probability and those of the N most likely "
-                        "tokens at its position (0 to 20; printed with --json)")
-
-
-def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        seed=args.seed, max_new_tokens=args.max_new_tokens,
-        stop_token_ids=tuple(parse_ids(args.stop_token_ids)), ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs, speculative=speculative_choice(args))
-
-
-def logprobs_json(params: SamplingParams, logprobs) -> dict:
-    """``{"logprobs": [{"logprob", "top": [[id, logprob], ...]}, ...]}`` when asked for."""
-    if params.logprobs is None:
-        return {}
-    return {"logprobs": [{"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-                         for lp in logprobs]}
-
-
-def parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise SystemExit(f"error: token ids must be comma-separated integers, got {text!r}")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -196,10 +154,6 @@ def _worker_flag_help() -> dict[str, str]:
     formatter = worker._get_formatter()
     return {flag: formatter._expand_help(action).replace("%", "%%")
             for action in worker._actions for flag in action.option_strings}
-
-
-def speculative_choice(args: argparse.Namespace) -> bool | None:
-    return {"auto": None, "on": True, "off": False}[args.speculative]
 
 
 def run_local(args: argparse.Namespace, prompts: list[list[int]],
