@@ -196,7 +196,7 @@ def test_a_quiet_stream_whose_chunks_come_over_tcp_is_not_idle(tiny):
     """The stream carries nothing between the acceptance and the trailer while the chunks come
     over TCP, for longer than the idle timeout: the handoff is live, not idle."""
     async def scenario():
-        async with DecodeHarness(tiny, idle_timeout_s=0.6) as h:
+        async with DecodeHarness(tiny, idle_timeout_s=1.0) as h:
             connections = TcpConnections(None)
             before = await h.free()
             header, *chunks, trailer = split_payload(h.payload(max_new_tokens=1), chunk_bytes=700)
@@ -205,9 +205,9 @@ def test_a_quiet_stream_whose_chunks_come_over_tcp_is_not_idle(tiny):
             accepted = (await _reply(call, "accepted")).accepted
             connection = await asyncio.to_thread(connections.acquire, "127.0.0.1",
                                                  accepted.tcp_port)
-            for chunk in chunks[:4]:  # 4 x 0.3 s: twice the idle timeout in all
+            for chunk in chunks[:4]:  # 4 x 0.4 s: more than the idle timeout in all
                 connection.submit(accepted.tcp_ticket, _wire(chunk))
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.4)
             for chunk in chunks[4:]:
                 connection.submit(accepted.tcp_ticket, _wire(chunk))
             await asyncio.to_thread(connection.flush)

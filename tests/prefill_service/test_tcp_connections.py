@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -34,6 +35,10 @@ def test_idle_connections_are_reused_and_dead_ones_replaced():
     assert connections.acquire("127.0.0.1", listener.port) is first
     connections.release(first)
     listener.close()  # a restart: the idle connection's other end is gone
+    for _ in range(200):  # until its close has reached this end
+        if not first.alive():
+            break
+        time.sleep(0.01)
     listener = TcpHandoffListener("127.0.0.1", 0, accepts=lambda token: True)
     with pytest.raises(OSError):
         connections.acquire("127.0.0.1", first.peer[1])  # found dead, nothing listens
