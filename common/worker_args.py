@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -136,6 +137,20 @@ def engine_settings_from_args(args: argparse.Namespace, *, prefill: bool) -> Eng
                           pools=pool_request_from_args(args, config, prefill=prefill),
                           warmup="always", progress=not args.no_progress,
                           expert_parallel=args.expert_parallel)
+
+
+@contextlib.contextmanager
+def worker_engine(args: argparse.Namespace, *, prefill: bool):
+    """``with worker_engine(args, prefill=...) as (group, built):`` the worker's engine
+    (``common.engine.factory.build_engine``), built on rank 0 of its ``--tp`` group, whose
+    followers start here and leave when the block ends."""
+    from common.engine.factory import build_engine
+    from common.parallel.worker_group import engine_tp, settings_for_group, worker_group
+
+    group = worker_group(args)
+    with group as tp:
+        settings = settings_for_group(engine_settings_from_args(args, prefill=prefill), group)
+        yield group, build_engine(settings, tp=engine_tp(group, tp))
 
 
 def pool_request_from_args(args: argparse.Namespace, config: EngineConfig, *,

@@ -7,14 +7,12 @@ import logging
 import sys
 
 from common.cli_help import HelpFormatter, description
-from common.engine.factory import build_engine
 from common.grpc_util import serve_until_signal
 from common.metrics.server import bind_metrics, start_metrics
 from common.metrics.tls import metrics_ssl_context
-from common.parallel.worker_group import (engine_tp, handoff_transport, settings_for_group,
-                                          shares_pools_at, worker_group)
+from common.parallel.worker_group import handoff_transport, shares_pools_at
 from common.security import Security
-from common.worker_args import add_worker_args, engine_settings_from_args, run_worker
+from common.worker_args import add_worker_args, run_worker, worker_engine
 from decode_service.server import build_decode_service
 
 SERVICE_NAME = "flashsplit.v1.Decode"
@@ -29,10 +27,7 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                                   metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca))
     transport = handoff_transport(args, "decode")
     # with --tp the followers start here and leave once the engine thread has stopped
-    group = worker_group(args)
-    with group as tp:
-        settings = settings_for_group(engine_settings_from_args(args, prefill=False), group)
-        built = build_engine(settings, tp=engine_tp(group, tp))
+    with worker_engine(args, prefill=False) as (group, built):
         llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
         service = build_decode_service(llm, layout, fingerprint, host=args.host,
                                        port=args.port, max_handoff_bytes=args.max_handoff_bytes,

@@ -6,16 +6,14 @@ import argparse
 import sys
 
 from common.cli_help import HelpFormatter, description
-from common.engine.factory import build_engine
 from common.grpc_util import bind, make_server, serve_until_signal
 from common.metrics.server import bind_metrics, start_metrics
 from common.metrics.tls import metrics_ssl_context
-from common.parallel.worker_group import (engine_tp, handoff_transport, settings_for_group,
-                                          shares_pools_at, worker_group)
+from common.parallel.worker_group import handoff_transport, shares_pools_at
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
 from common.security import Security
 from common.shutdown import GracefulShutdown
-from common.worker_args import add_worker_args, engine_settings_from_args, run_worker
+from common.worker_args import add_worker_args, run_worker, worker_engine
 from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
 from prefill_service.shared_pools import SharedPools
@@ -36,10 +34,7 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                                   metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca))
     transport = handoff_transport(args, "prefill")
     # with --tp the followers start here and leave once the engine thread has stopped
-    group = worker_group(args)
-    with group as tp:
-        settings = settings_for_group(engine_settings_from_args(args, prefill=True), group)
-        built = build_engine(settings, tp=engine_tp(group, tp))
+    with worker_engine(args, prefill=True) as (group, built):
         llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
         # before the engine thread starts: the pools move into memory decode workers can open
         shared = SharedPools(llm) if shares_pools_at(args, transport) else None

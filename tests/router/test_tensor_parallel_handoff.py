@@ -28,17 +28,24 @@ def expected():
     return local_greedy(load_model("tiny"), PROMPTS)
 
 
+def run_cluster(config: ClusterConfig):
+    """Generate PROMPTS through ``config``'s cluster: outputs, every worker's load once its
+    pools drained, and each kind's log."""
+    with Cluster(config) as cluster:
+        outs = asyncio.run(generate_all(cluster.router_address, PROMPTS))
+        reports = asyncio.run(wait_all_free(cluster))
+        logs = {w.kind: w.stderr_tail(200) for w in cluster.workers}
+    assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
+    return outs, logs
+
+
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 2)])
 def test_handoff_between_parallel_sizes_gives_tp1_tokens(prefill_tp, decode_tp, expected):
     # auto: a sharded end offers (opens) no pools, so the state goes as bytes (over TCP)
     config = ClusterConfig(model="tiny", worker_args=CHUNKED, prefill_tp=prefill_tp,
                            decode_tp=decode_tp)
-    with Cluster(config) as cluster:
-        outs = asyncio.run(generate_all(cluster.router_address, PROMPTS))
-        reports = asyncio.run(wait_all_free(cluster))
-        logs = {w.kind: w.stderr_tail(200) for w in cluster.workers}
+    outs, logs = run_cluster(config)
     assert [o.token_ids for o in outs] == expected
-    assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
     assert "handoff chunks over TCP: listening" in logs["decode"]
     for kind, tp, verb in (("prefill", prefill_tp, "offered"), ("decode", decode_tp, "opened")):
         said = f"the device handoff transport is not {verb}" in logs[kind]
@@ -78,12 +85,8 @@ def test_expert_parallel_workers_hand_off_a_moe_models_state(tmp_path):
     # the decode worker splits each expert instead: only the prefill side gets the flag
     config = dataclasses.replace(config, worker_args=CHUNKED, prefill_args=("--expert-parallel",),
                                  decode_tp=2)
-    with Cluster(config) as cluster:
-        outs = asyncio.run(generate_all(cluster.router_address, PROMPTS))
-        reports = asyncio.run(wait_all_free(cluster))
-        logs = {w.kind: w.stderr_tail(200) for w in cluster.workers}
+    outs, logs = run_cluster(config)
     assert [o.token_ids for o in outs] == want
-    assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
     assert "routed experts placed whole" in logs["prefill"]
     assert "tensor parallel over 2 ranks" in logs["decode"]
     assert "routed experts placed whole" not in logs["decode"]
