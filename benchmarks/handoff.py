@@ -141,6 +141,7 @@ async def send_over_tcp(handoff, payload: HandoffPayload, chunk_bytes: int, conn
     """The ``tcp`` transport as the prefill worker runs it: header and trailer on the call,
     the chunks written as frames on a sender thread (``prefill_service/tcp_connections.py``)."""
     from prefill_service.handoff_sender import _reply
+    from prefill_service.tcp_connections import send_chunks
 
     header, chunks, trailer = encoded_parts(payload, chunk_bytes)
     call = handoff(timeout=600.0)
@@ -151,12 +152,8 @@ async def send_over_tcp(handoff, payload: HandoffPayload, chunk_bytes: int, conn
 
     def send() -> int:
         held = [connections.acquire(host, accepted.tcp_port) for _ in range(num_connections)]
-        count = 0
-        for message in chunks:
-            held[count % len(held)].submit(accepted.tcp_ticket, message)
-            count += 1
+        _, count = send_chunks(held, accepted.tcp_ticket, chunks)
         for connection in held:
-            connection.flush()
             connections.release(connection)
         return count
 

@@ -18,10 +18,10 @@ from common.logging_setup import add_log_format_arg, configure_logging
 from common.metrics.server import add_metrics_port_arg
 from common.metrics.tls import metrics_ssl_context
 from common.model.registry import DEFAULT_MODEL
-from common.parallel.worker_group import add_tp_arg, check_tp_args
+from common.parallel.worker_group import add_tp_arg, check_tp_args, shares_pools_at
 from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig
-from common.handoff.transports import HANDOFF_TRANSPORTS, shares_pools
+from common.handoff.transports import HANDOFF_TRANSPORTS, takes_tcp_with
 
 
 
@@ -163,7 +163,7 @@ def pool_request_from_args(args: argparse.Namespace, config: EngineConfig, *,
                        num_slots=args.num_slots,
                        default_slots=config.scheduler.max_running_requests + 1,
                        min_pages=min_pages(config),
-                       copied_at_start=prefill and shares_pools(args.handoff_transport))
+                       copied_at_start=prefill and shares_pools_at(args, args.handoff_transport))
 
 
 def dtype_from_args(args: argparse.Namespace) -> torch.dtype | None:
@@ -186,9 +186,7 @@ def run_worker(args: argparse.Namespace, serve) -> int:
         security.internal_server()  # its flag combinations are checked before the model loads
         if args.metrics_port is not None:  # its TLS files are checked before the model loads
             metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca)
-        if args.handoff_transport == "tcp" and security.tls is not None:
-            raise ValueError("--handoff-transport tcp sends the state in plaintext: it cannot "
-                             "be used with TLS (use auto, which then streams, or stream)")
+        takes_tcp_with(args.handoff_transport, security.tls)  # tcp is refused beside TLS
         check_tp_args(args)  # ShardingError names what the size must divide
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -25,7 +25,7 @@ from common.load_report import LoadReport
 from common.logging_setup import bind_request_id
 from common.security import ServerSecurity
 from common.shutdown import GracefulShutdown
-from common.handoff.transports import shares_pools, takes_tcp
+from common.handoff.transports import shares_pools, takes_tcp_with
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from decode_service.chunk_landings import ChunkLandings
 from decode_service.engine import DecodeEngine
@@ -163,7 +163,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.metrics.handoff_ended("UNKNOWN" if isinstance(exc, Exception) else "CANCELLED")
             if feed is not None:
                 await asyncio.shield(feed.stop())
-                feed.offer.withdraw()
             await landings.settle()
             if reservation is not None:
                 reservation.release()
@@ -281,14 +280,8 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
     shutdown = GracefulShutdown("decode worker")
     server, health = make_server([*security.interceptors(), shutdown.interceptor()])
     address = bind(server, host, port, security.credentials())
-    tcp = None
-    if takes_tcp(transport):
-        if security.tls is not None:
-            if transport == "tcp":
-                raise ValueError("--handoff-transport tcp sends plaintext: it cannot be used "
-                                 "with --tls-cert (use auto or stream)")
-        else:
-            tcp = TcpHandoffListener(host, handoff_port, security.accepts)
+    tcp = (TcpHandoffListener(host, handoff_port, security.accepts)
+           if takes_tcp_with(transport, security.tls) else None)
     streams = TokenStreams(asyncio.get_running_loop())
     engine = DecodeEngine(llm, streams.post)
     engine.start()

@@ -25,7 +25,7 @@ from common import convert
 from common.auth import TOKEN_HEADER
 from common.channels import ChannelSecurity, make_channel
 from common.handoff.tcp_frames import tcp_host
-from common.handoff.transports import takes_tcp
+from common.handoff.transports import takes_tcp_with
 from common.handoff.parts import HeaderPart, PoolCopyPart, TrailerPart
 from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc
@@ -34,7 +34,7 @@ from prefill_service.message_feed import feed_from_thread
 from prefill_service.shared_pools import SharedPools
 from prefill_service.state_reader import (PromptShape, StateReader, fold_checksums,
                                           new_ledgers)
-from prefill_service.tcp_connections import TcpConnection, TcpConnections
+from prefill_service.tcp_connections import TcpConnection, TcpConnections, send_chunks
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,15 @@ class HandoffStream:
         self._states_sent = False
         self.pool_copies = False  # the receiver opened our pools (set by open)
         self._connections: list[TcpConnection] = []  # chunks go over TCP (set by open)
-        self._ticket = b""
+        self._ticket = b""  # set by open when the chunks go over TCP
         self._stopped = threading.Event()  # tells a sending thread to stop at its next chunk
-        self.over_tcp = False  # this handoff's chunks go on a TCP connection (set by open)
         self.tcp_chunks = 0
         self.bytes_sent = 0
+
+    @property
+    def over_tcp(self) -> bool:
+        """Whether this handoff's chunks go on TCP connections (known once opened)."""
+        return bool(self._ticket)
 
     async def open(self) -> None:
         """Write the header and wait for ``accepted``; raises AioRpcError on a refusal, and
@@ -159,7 +163,6 @@ class HandoffStream:
                             "on the stream", self._address, port, exc)
             return f"cannot connect to {host}:{port}: {exc}"
         self._ticket = ticket
-        self.over_tcp = True
         return ""
 
     async def send(self, ready: StateReady) -> None:
@@ -207,30 +210,18 @@ class HandoffStream:
         """Read and encode ``produce()``'s chunks on a sender thread and spread them over the
         connections, whose own threads write them: no chunk passes through the event loop."""
         connections, ticket, stopped = list(self._connections), self._ticket, self._stopped
-
-        def run() -> tuple[int, int]:
-            sent = chunks = 0
-            for message in produce():
-                if stopped.is_set():
-                    raise ConnectionAbortedError("the handoff ended")
-                connections[chunks % len(connections)].submit(ticket, message)
-                sent += len(message)
-                chunks += 1
-            for connection in connections:  # every frame written before the trailer
-                connection.flush()
-            return sent, chunks
-
         loop = asyncio.get_running_loop()
         try:
-            sent, chunks = await loop.run_in_executor(self._executor, run)
+            sent, chunks = await loop.run_in_executor(
+                self._executor, lambda: send_chunks(connections, ticket, produce(), stopped))
         except BaseException:
             # cancelled (the thread may still be writing: closing wakes it) or the write failed
-            self._drop_connection()
+            self._drop_connections()
             raise
         self.bytes_sent += sent
         self.tcp_chunks += chunks
 
-    def _drop_connection(self) -> None:
+    def _drop_connections(self) -> None:
         self._stopped.set()
         connections, self._connections = self._connections, []
         for connection in connections:
@@ -276,7 +267,7 @@ class HandoffStream:
                 return await self.finish(ready.first_token, ready.first_logprobs)
 
     def cancel(self) -> None:
-        self._drop_connection()  # a no-op after finish, which gave it back
+        self._drop_connections()  # a no-op after finish, which gave it back
         self._call.cancel()
 
 
@@ -291,8 +282,6 @@ class HandoffSender:
             raise ValueError(f"--handoff-tcp-connections must be >= 1, got {tcp_connections}")
         if transport == "device" and shared is None:
             raise ValueError("--handoff-transport device needs the pools shared")
-        if transport == "tcp" and security.tls is not None:
-            raise ValueError("--handoff-transport tcp sends plaintext: not with TLS")
         self.reader = reader
         self.transport = transport
         self.shared = shared
@@ -302,7 +291,7 @@ class HandoffSender:
         self._channels: dict[str, grpc.aio.Channel] = {}
         # chunks over TCP carry the same token as the calls; never beside a TLS channel
         self.tcp = (TcpConnections(dict(security.metadata).get(TOKEN_HEADER))
-                    if takes_tcp(transport) and security.tls is None else None)
+                    if takes_tcp_with(transport, security.tls) else None)
         # each handoff's reads (and, over TCP, its writes) run on one of these at a time
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="handoff-sender")
 

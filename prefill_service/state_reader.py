@@ -90,16 +90,6 @@ class StateReader:
         for piece, host in self._to_host(pieces, ready):
             yield from self._encode(piece, host, prompt, ledgers)
 
-    def pages(self, ready: StateReady, name: str, start: int, end: int, prompt: PromptShape,
-              ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
-        """Chunks of pages ``[start, end)`` of ``name`` (``kv`` or ``dflash_context``)."""
-        return self.read(ready, [(name, start, end)], False, prompt, ledgers)
-
-    def states(self, ready: StateReady,
-               ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
-        """Chunks of the request's final GDN conv and recurrent state."""
-        return self.read(ready, [], True, PromptShape(1, 1), ledgers)
-
     def _written_at(self, piece: _Piece) -> float:
         index = (None if self.model_layers is None
                  else self.model_layers.model_layer(piece.field, piece.layer))

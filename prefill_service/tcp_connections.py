@@ -16,6 +16,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Iterable
 
 from common.handoff.tcp_frames import OK, frame_header, hello
 
@@ -65,7 +66,7 @@ class TcpConnection:
                 continue
             try:
                 if self._error is None:
-                    self.send_chunk(ticket, message)
+                    self._send(ticket, message)
             except OSError as exc:
                 self._error = exc  # later frames are dropped; submit and flush raise it
             finally:
@@ -78,7 +79,7 @@ class TcpConnection:
             self._error = self._error or ConnectionAbortedError("the connection is closed")
             self._queue.task_done()
 
-    def send_chunk(self, ticket: bytes, message: bytes) -> None:
+    def _send(self, ticket: bytes, message: bytes) -> None:
         """Write one frame: the header, then ``message`` (an encoded chunk). Marks the
         connection broken and raises OSError when the write fails."""
         head = frame_header(ticket, len(message))
@@ -118,6 +119,25 @@ class TcpConnection:
         except OSError:
             pass
         self._sock.close()
+
+
+def send_chunks(connections: list[TcpConnection], ticket: bytes, messages: Iterable[bytes],
+                stopped: threading.Event | None = None) -> tuple[int, int]:
+    """Write ``messages`` (encoded chunks of the handoff ``ticket``) as frames spread over
+    ``connections``, and wait until every one is written, so that the trailer may follow.
+    Blocking: call it on a sender thread. Returns ``(bytes, frames)``; stops with
+    ConnectionAbortedError at the next chunk once ``stopped`` is set (the handoff ended), and
+    raises the OSError of a write that failed."""
+    sent = frames = 0
+    for message in messages:
+        if stopped is not None and stopped.is_set():
+            raise ConnectionAbortedError("the handoff ended")
+        connections[frames % len(connections)].submit(ticket, message)
+        sent += len(message)
+        frames += 1
+    for connection in connections:
+        connection.flush()
+    return sent, frames
 
 
 class TcpConnections:

@@ -33,12 +33,12 @@ def graphs_apply(model: HybridForCausalLM, config: EngineConfig, token_cap: int 
         log.warning("CUDA graphs (and overlap scheduling) are off: they are not built for "
                     "tensor parallelism yet; decode runs eagerly")
         return False
+    support = model.graph_support()
     if graphs.capture and token_cap == 0:
         # an op reads the host at any size: no graph can replay it
         log.warning("CUDA graphs are off: %s not capturable; decode runs eagerly",
-                    ", ".join(model.graph_support().not_capturable))
+                    ", ".join(support.not_capturable))
         return False
-    support = model.graph_support()
     if graphs.capture and support.graph_attention is None:
         log.warning("CUDA graphs are off: attention (paged_attention=%s, %s, head_dim %d) has "
                     "no capturable planner; decode runs eagerly", support.attention_backend,

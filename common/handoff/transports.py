@@ -26,3 +26,13 @@ def takes_tcp(transport: str) -> bool:
     """Whether a worker with this transport sends (prefill) or listens for (decode) chunks on
     a TCP connection beside the gRPC stream."""
     return transport in ("auto", "tcp")
+
+
+def takes_tcp_with(transport: str, tls: object | None) -> bool:
+    """Whether a worker with this transport and these TLS settings (None: plaintext) sends or
+    listens for chunks over TCP: the frames are plaintext, so never beside TLS, and ``tcp``
+    itself with TLS is a caller mistake (ValueError)."""
+    if transport == "tcp" and tls is not None:
+        raise ValueError("--handoff-transport tcp sends the state in plaintext: it cannot be "
+                         "used with TLS (use auto, which then streams, or stream)")
+    return takes_tcp(transport) and tls is None

@@ -17,7 +17,7 @@ from common.handoff.stream import split_payload
 from common.handoff.tcp_frames import frame_header, hello
 from common.pb.flashsplit.v1 import decode_pb2, types_pb2
 from prefill_service.handoff_sender import HANDOFF_METHOD, _reply
-from prefill_service.tcp_connections import TcpConnections
+from prefill_service.tcp_connections import TcpConnections, send_chunks
 from tests.decode_service.test_handoff_validation import (EXPECTED, DecodeHarness, mutate, run,
                                                           tiny)  # noqa: F401
 
@@ -51,13 +51,11 @@ async def send_over_tcp(h: DecodeHarness, parts, connections: TcpConnections, *,
 
     def send() -> int:
         held = [connections.acquire("127.0.0.1", accepted.tcp_port) for _ in range(2)]
-        bodies = [_wire(c) for c in chunks] + list(extra_frames)
-        for i, body in enumerate(bodies):
-            held[i % 2].submit(accepted.tcp_ticket, body)
+        _, count = send_chunks(held, accepted.tcp_ticket,
+                               [_wire(c) for c in chunks] + list(extra_frames))
         for connection in held:
-            connection.flush()
             connections.release(connection)
-        return len(bodies)
+        return count
 
     sent = await asyncio.to_thread(send)
     for chunk in on_stream:

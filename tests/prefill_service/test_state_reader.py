@@ -53,9 +53,9 @@ def test_pages_and_states_rebuild_the_payload(piece_bytes, chunk_bytes):
     final = StateReady(page_ids, slot, 5, True, first_token=3)
     messages = []
     for name in ("kv", "dflash_context"):
-        messages += reader.pages(partial, name, 0, 2, prompt, ledgers)
-        messages += reader.pages(final, name, 2, 5, prompt, ledgers)
-    messages += reader.states(final, ledgers)
+        messages += reader.read(partial, [(name, 0, 2)], False, prompt, ledgers)
+        messages += reader.read(final, [(name, 2, 5)], False, prompt, ledgers)
+    messages += reader.read(final, [], True, prompt, ledgers)
     for message in messages:
         chunk = decode_chunk(message)
         assert len(chunk.data) <= chunk_bytes
@@ -73,7 +73,7 @@ def test_reading_nothing_new_yields_nothing():
     kv, conv, ssm, draft = pools()
     reader = StateReader(kv, conv, ssm, None, 64)
     ready = StateReady((1, 2), 0, 2, False)
-    assert list(reader.pages(ready, "kv", 2, 2, PromptShape(8, PAGE), {})) == []
+    assert list(reader.read(ready, [("kv", 2, 2)], False, PromptShape(8, PAGE), {})) == []
 
 
 def test_model_layers_map_fields_to_the_layers_that_write_them():
@@ -122,8 +122,7 @@ def test_gpu_reads_wait_for_each_layer_and_reuse_pinned_buffers():
                 "ssm_state": FieldSpec("float32", (2, 2, 4, 4))}
     ledgers = new_ledgers(manifest)
     # read while the "forward" still runs on the device: nothing here synchronizes it
-    messages = [*reader.pages(ready, "kv", 0, pages, prompt, ledgers),
-                *reader.states(ready, ledgers)]
+    messages = list(reader.read(ready, [("kv", 0, pages)], True, prompt, ledgers))
     want = {"kv": expected_paged(kv.cpu(), page_ids, prompt_len),
             "conv_state": conv[:, slot].cpu(), "ssm_state": ssm[:, slot].cpu()}
     got = {name: torch.zeros_like(t) for name, t in want.items()}
