@@ -4,9 +4,11 @@ Both sides run in this one run, on the same device, so the ratio is what disaggr
 
 - TTFT of one prompt at each length (default 2k, 8k, 32k tokens), the median of ``--repeats``;
   in process it is one engine's prefill (``generate`` of one token), through the split it is
-  the client's time to the first streamed token;
+  the client's time to the first streamed token (on one channel kept open to the router);
 - ``--concurrent`` prompts of ``--concurrent-len`` tokens generating ``--concurrent-new`` tokens
-  each, at once: wall time and median TTFT;
+  each, at once: wall time and median TTFT, after an unmeasured run of the same shape (run E on an
+  H200 timed 6.9 s in process without one, against 1.3 s in run D with one prompt per chunk:
+  a first use of the batch shape is the suspected cost);
 - each ``--transports`` value (``--handoff-transport`` of both workers) in a cluster of its own;
   the first token through the split is checked against the in-process one.
 
@@ -33,6 +35,7 @@ from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
 from common.model.load import load_model
 from common.sampling import SamplingParams
+from common.channels import make_channel
 from router.cluster import Cluster, ClusterConfig
 from router.remote import generate, request_to_pb
 
@@ -89,6 +92,10 @@ def in_process(args, lengths: list[int]) -> dict:
         out["first_tokens"][n] = req.output_ids[0]
     prompts = [prompt_of(args.concurrent_len, 100 + i, vocab) for i in range(args.concurrent)]
     many = SamplingParams(temperature=0.0, max_new_tokens=args.concurrent_new, ignore_eos=True)
+    # a warm-up of this batch shape (kernels that compile per shape), not measured
+    engine.generate([prompt_of(args.concurrent_len, 200 + i, vocab)
+                     for i in range(args.concurrent)], many)
+    sync(args.device)
     start = time.perf_counter()
     engine.generate(prompts, many)
     sync(args.device)
@@ -106,30 +113,36 @@ def disaggregated(args, lengths: list[int], vocab: int, transport: str) -> dict:
                    "--handoff-transport", transport)
     config = ClusterConfig(model=args.model, worker_args=worker_args, start_timeout_s=900,
                            metrics=True)
-    one = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
     out: dict = {"timings": {}, "first_tokens": {}}
     with Cluster(config) as cluster:
-        address = cluster.router_address
         phases = PhaseScraper([w.metrics_url for w in cluster.workers if w.metrics_url])
+        asyncio.run(_measure_split(cluster.router_address, args, lengths, vocab, phases, out))
+    return out
 
+
+async def _measure_split(address: str, args, lengths: list[int], vocab: int,
+                         phases: PhaseScraper, out: dict) -> None:
+    """The split's cases, on one channel to the router (as a serving client keeps one)."""
+    one = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    async with make_channel(address) as channel:
         async def ttft(prompt, params):
             start = time.perf_counter()
             first = None
 
-            def seen(_text):
+            def seen(_tokens):
                 nonlocal first
                 first = first or time.perf_counter()
 
             done = await generate(address, request_to_pb(token_ids=prompt, params=params),
-                                  timeout_s=600, on_text=seen)
+                                  timeout_s=600, on_tokens=seen, channel=channel)
             return (first or time.perf_counter()) - start, done
 
         for n in lengths:
             times, last = [], None
-            asyncio.run(ttft(prompt_of(n, 0, vocab), one))  # warm-up, not measured
+            await ttft(prompt_of(n, 0, vocab), one)  # warm-up, not measured
             phases.start()
             for r in range(1, args.repeats + 1):
-                t, last = asyncio.run(ttft(prompt_of(n, r, vocab), one))
+                t, last = await ttft(prompt_of(n, r, vocab), one)
                 times.append(t)
             out[n] = statistics.median(times)
             out["timings"][n] = {"client_ttft_s": times,
@@ -137,8 +150,8 @@ def disaggregated(args, lengths: list[int], vocab: int, transport: str) -> dict:
                                  **phases.stop()}
             out["first_tokens"][n] = last.token_ids[0]
 
-        async def concurrent():
-            prompts = [prompt_of(args.concurrent_len, 100 + i, vocab)
+        async def concurrent(seed: int):
+            prompts = [prompt_of(args.concurrent_len, seed + i, vocab)
                        for i in range(args.concurrent)]
             many = SamplingParams(temperature=0.0, max_new_tokens=args.concurrent_new,
                                   ignore_eos=True)
@@ -146,9 +159,9 @@ def disaggregated(args, lengths: list[int], vocab: int, transport: str) -> dict:
             results = await asyncio.gather(*[ttft(p, many) for p in prompts])
             return time.perf_counter() - start, [t for t, _ in results]
 
-        out["concurrent_s"], ttfts = asyncio.run(concurrent())
+        await concurrent(200)  # warm-up of this batch shape, not measured
+        out["concurrent_s"], ttfts = await concurrent(100)
         out["concurrent_median_ttft_s"] = statistics.median(ttfts)
-    return out
 
 
 def sync(device: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 
 import torch
@@ -12,6 +13,7 @@ from common.cache.sizing import DEFAULT_NUM_PAGES, DEFAULT_NUM_SLOTS, PoolReques
 from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.factory import EngineSettings
 from common.engine.llm_engine import CacheConfig, EngineConfig
+from common.engine.loop import serial_main_thread
 from common.lifecycle import die_with_parent_if_asked
 from common.progress import NO_PROGRESS_ENV
 from common.logging_setup import add_log_format_arg, configure_logging
@@ -20,7 +22,7 @@ from common.metrics.tls import metrics_ssl_context
 from common.model.registry import DEFAULT_MODEL
 from common.parallel.worker_group import add_tp_arg, check_tp_args, shares_pools_at
 from common.security import add_security_args
-from common.engine.scheduler import SchedulerConfig
+from common.engine.scheduler import SchedulerConfig, default_max_prefill_tokens
 from common.handoff.transports import HANDOFF_TRANSPORTS, takes_tcp_with
 
 
@@ -57,8 +59,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-slots", type=int, default=None,
                    help=f"GDN state slots, scratch included (default: {DEFAULT_NUM_SLOTS}; "
                         "with --mem-fraction, --max-running-requests + 1)")
-    p.add_argument("--max-prefill-tokens", type=int, default=2048,
-                   help="token budget of one prefill step (the chunk size of long prompts)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="token budget of one prefill step (the chunk size of long prompts; "
+                        "default: 8192 on a GPU, 2048 on the CPU)")
     p.add_argument("--max-running-requests", type=int, default=64,
                    help="requests in one batch at most")
     p.add_argument("--draft", default=None,
@@ -111,7 +114,8 @@ def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> Engin
         cache=CacheConfig(page_size=args.page_size,
                           num_pages=args.num_pages or DEFAULT_NUM_PAGES,
                           num_slots=args.num_slots or DEFAULT_NUM_SLOTS),
-        scheduler=SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens,
+        scheduler=SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens
+                                  or default_max_prefill_tokens(args.device),
                                   max_running_requests=args.max_running_requests,
                                   reserve_output_tokens=not prefill),
         device=args.device,
@@ -147,9 +151,13 @@ def worker_engine(args: argparse.Namespace, *, prefill: bool):
     from common.engine.factory import build_engine
     from common.parallel.worker_group import engine_tp, settings_for_group, worker_group
 
+    settings = engine_settings_from_args(args, prefill=prefill)
+    if torch.device(args.device).type == "cpu":  # before the model loads (serial_main_thread)
+        settings = dataclasses.replace(settings, engine=dataclasses.replace(
+            settings.engine, cpu_threads=serial_main_thread()))
     group = worker_group(args)
     with group as tp:
-        settings = settings_for_group(engine_settings_from_args(args, prefill=prefill), group)
+        settings = settings_for_group(settings, group)
         yield group, build_engine(settings, tp=engine_tp(group, tp))
 
 

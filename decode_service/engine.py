@@ -34,7 +34,7 @@ EventSink = Callable[[TokenEvent], None]
 
 class DecodeEngine(EngineLoop):
     def __init__(self, engine: LLMEngine, sink: EventSink) -> None:
-        super().__init__("decode-engine")
+        super().__init__("decode-engine", engine.config.cpu_threads)
         if engine.config.hold_after_prefill:
             raise ValueError("a decode engine continues requests; hold_after_prefill must be off")
         self.engine = engine

@@ -103,7 +103,7 @@ class PrefillEngine(EngineLoop):
     steps, once per prompt rather than once per chunk."""
 
     def __init__(self, engine: LLMEngine, layout: LayoutDescriptor, fingerprint: str) -> None:
-        super().__init__("prefill-engine")
+        super().__init__("prefill-engine", engine.config.cpu_threads)
         if not engine.config.hold_after_prefill:
             raise ValueError("a prefill engine needs hold_after_prefill=True")
         self.engine = engine

@@ -1,11 +1,13 @@
 """A client of the public Generation service (used by ``flashsplit generate --router``).
 
 Streams a completion and collects it into a ``Completion``; ``on_text`` sees each text delta as
-it arrives, so a terminal can print the output while it is generated.
+it arrives, so a terminal can print the output while it is generated, and ``on_tokens`` each
+message's token ids (a token whose text is not complete yet has ids and no text).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,12 +56,18 @@ def request_to_pb(*, text: str | None = None, token_ids: Sequence[int] | None = 
 async def generate(address: str, request: generation_pb2.GenerateRequest, *,
                    timeout_s: float = 600.0,
                    on_text: Callable[[str], None] | None = None,
-                   security: ChannelSecurity = ChannelSecurity()) -> Completion:
+                   on_tokens: Callable[[Sequence[int]], None] | None = None,
+                   security: ChannelSecurity = ChannelSecurity(),
+                   channel=None) -> Completion:
     """Run one streaming Generate call (with ``security``'s API key and TLS, when the router's
-    port asks for them); raises grpc.aio.AioRpcError when the router fails it."""
+    port asks for them); raises grpc.aio.AioRpcError when the router fails it. ``channel``: an
+    open channel to ``address`` to call on (a client making many calls keeps one), else one is
+    opened for this call."""
     out = Completion()
     start = time.perf_counter()
-    async with make_channel(address, security) as channel:
+    async with contextlib.AsyncExitStack() as stack:
+        if channel is None:
+            channel = await stack.enter_async_context(make_channel(address, security))
         stub = generation_pb2_grpc.GenerationStub(channel)
         async for msg in stub.Generate(request, timeout=timeout_s):
             out.request_id = msg.request_id
@@ -67,6 +75,8 @@ async def generate(address: str, request: generation_pb2.GenerateRequest, *,
             out.token_ids.extend(msg.token_ids)
             out.accept_lengths.extend(msg.accept_lengths)
             out.logprobs.extend(logprobs_from_pb(lp) for lp in msg.logprobs)
+            if msg.token_ids and on_tokens is not None:
+                on_tokens(msg.token_ids)
             if msg.text and on_text is not None:
                 on_text(msg.text)
             reason = finish_reason_from_pb(msg.finish_reason)

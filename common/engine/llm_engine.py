@@ -39,6 +39,9 @@ class EngineConfig:
     # launch decode step n+1 before reading step n's tokens (docs/cuda_graphs.md); needs the
     # decode graph runner, so it has no effect where graphs are off
     overlap_schedule: bool = True
+    # torch's intra-op CPU threads on the thread that steps the engine (None: leave torch's
+    # setting); see ``common.engine.loop.serial_main_thread``
+    cpu_threads: int | None = None
 
 
 @dataclass

@@ -13,6 +13,8 @@ import threading
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable
 
+import torch
+
 from common.engine.errors import StepFailed
 
 log = logging.getLogger(__name__)
@@ -34,11 +36,28 @@ def resolve(future: Future, value: Any = None, error: BaseException | None = Non
     return True
 
 
+def serial_main_thread() -> int:
+    """Give the calling (main) thread one torch CPU thread, and return how many torch would
+    have used, for the engine thread (``EngineConfig.cpu_threads``). Call it before the main
+    thread runs any torch op.
+
+    OpenMP keeps a team of threads for each thread that ran a parallel region. Once the main
+    thread has one (loading the model makes it), a parallel region on the engine thread runs
+    about half as fast on a 2-core host as the same region on the main thread (measured:
+    ``benchmarks/prefill_gap.py --device cpu``). With one thread the main thread makes no team,
+    and the engine thread's regions run at the main thread's speed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return threads
+
+
 class EngineLoop(ABC):
     """Subclasses implement :meth:`has_work` and :meth:`step`; :meth:`call` runs a function on
-    the engine thread between steps and returns a future of its result."""
+    the engine thread between steps and returns a future of its result. ``cpu_threads``: the
+    engine thread's torch CPU threads (None: torch's setting, as the creating thread has it)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, cpu_threads: int | None = None) -> None:
+        self._cpu_threads = cpu_threads
         self._commands: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -102,6 +121,8 @@ class EngineLoop(ABC):
             resolve(future, value)
 
     def _run(self) -> None:
+        if self._cpu_threads is not None:
+            torch.set_num_threads(self._cpu_threads)
         while not self._stopping.is_set():
             try:
                 item = self._commands.get(timeout=None if not self.has_work() else 0)

@@ -150,7 +150,10 @@ def test_graph_replay_and_overlap_on_a_gpu(with_draft):
         reference = raw_logprobs(model, req.prompt_ids, req.output_ids)
         assert len(req.logprobs) == len(req.output_ids)
         for j, (token, lp) in enumerate(zip(req.output_ids, req.logprobs)):
-            # the decode and prefill kernels round differently in bf16: a bound well under
-            # the gaps between positions' distributions
+            # the decode and prefill kernels round differently in bf16, and bf16 logits of
+            # magnitude 16-32 are 0.125 apart: 0.15 held for the chosen tokens and not for
+            # every alternative (an H200 run). A row of another step or request is off by
+            # nats, far above this bound.
             assert abs(lp.logprob - reference[j, token].item()) <= 0.15, j
-            assert all(abs(reference[j, t].item() - v) <= 0.15 for t, v in lp.top), j
+            off = max(abs(reference[j, t].item() - v) for t, v in lp.top)
+            assert off <= 0.5, (j, off)

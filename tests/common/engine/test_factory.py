@@ -117,3 +117,26 @@ def test_the_demo_reference_is_a_hand_built_engine():
     expected = [r.output_ids for r in
                 by_hand().generate([tokenizer.encode(p) for p in DEMO_PROMPTS], params)]
     assert local_reference("tiny", DEMO_PROMPTS, params) == expected
+
+
+def test_the_prefill_chunk_is_larger_on_a_gpu_unless_given():
+    assert engine_config_from_args(worker_args(), prefill=True).scheduler.max_prefill_tokens \
+        == 2048
+    gpu = worker_args("--device", "cuda")
+    assert engine_config_from_args(gpu, prefill=True).scheduler.max_prefill_tokens == 8192
+    given = worker_args("--device", "cuda", "--max-prefill-tokens", "1024")
+    assert engine_config_from_args(given, prefill=False).scheduler.max_prefill_tokens == 1024
+
+
+def test_a_cpu_worker_gives_its_torch_threads_to_the_engine_thread():
+    import torch
+
+    from common.worker_args import worker_engine
+
+    before = torch.get_num_threads()
+    try:
+        with worker_engine(worker_args(), prefill=False) as (_, built):
+            assert built.engine.config.cpu_threads == before
+            assert torch.get_num_threads() == 1  # the main thread keeps one
+    finally:
+        torch.set_num_threads(before)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from common.engine.loop import EngineLoop
+from common.engine.loop import EngineLoop, serial_main_thread
 
 
 class Counting(EngineLoop):
@@ -103,3 +103,29 @@ def test_a_step_failed_for_its_requests_keeps_the_engine_running():
         assert loop.failed == [["a", "b"]] and loop.is_alive and not loop.fatal.is_set()
     finally:
         loop.stop()
+
+
+class Idle(EngineLoop):
+    def has_work(self) -> bool:
+        return False
+
+    def step(self) -> None:
+        raise AssertionError("an idle loop never steps")
+
+
+def test_the_engine_thread_takes_the_cpu_threads_it_is_given():
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        given = serial_main_thread()
+        assert given == before and torch.get_num_threads() == 1
+        loop = Idle("threads", cpu_threads=3)
+        loop.start()
+        try:
+            assert loop.call(torch.get_num_threads).result(5) == 3
+        finally:
+            loop.stop()
+        assert torch.get_num_threads() == 1  # the calling thread keeps its own setting
+    finally:
+        torch.set_num_threads(before)
