@@ -115,7 +115,7 @@ def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> Engin
                           num_pages=args.num_pages or DEFAULT_NUM_PAGES,
                           num_slots=args.num_slots or DEFAULT_NUM_SLOTS),
         scheduler=SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens
-                                  or default_max_prefill_tokens(args.device),
+                                  or default_max_prefill_tokens(rank0_device(args.device)),
                                   max_running_requests=args.max_running_requests,
                                   reserve_output_tokens=not prefill),
         device=args.device,
@@ -151,13 +151,12 @@ def worker_engine(args: argparse.Namespace, *, prefill: bool):
     from common.engine.factory import build_engine
     from common.parallel.worker_group import engine_tp, settings_for_group, worker_group
 
-    settings = engine_settings_from_args(args, prefill=prefill)
-    if torch.device(args.device).type == "cpu":  # before the model loads (serial_main_thread)
-        settings = dataclasses.replace(settings, engine=dataclasses.replace(
-            settings.engine, cpu_threads=serial_main_thread()))
     group = worker_group(args)
-    with group as tp:
-        settings = settings_for_group(settings, group)
+    with group as tp:  # rank 0's share of a CPU's threads is set on entering
+        settings = settings_for_group(engine_settings_from_args(args, prefill=prefill), group)
+        if torch.device(settings.engine.device).type == "cpu":  # before the model loads
+            settings = dataclasses.replace(settings, engine=dataclasses.replace(
+                settings.engine, cpu_threads=serial_main_thread()))
         yield group, build_engine(settings, tp=engine_tp(group, tp))
 
 
@@ -172,6 +171,11 @@ def pool_request_from_args(args: argparse.Namespace, config: EngineConfig, *,
                        default_slots=config.scheduler.max_running_requests + 1,
                        min_pages=min_pages(config),
                        copied_at_start=prefill and shares_pools_at(args, args.handoff_transport))
+
+
+def rank0_device(device: str) -> str:
+    """The device of a worker's own process: ``--device`` may list one per ``--tp`` rank."""
+    return device.split(",", 1)[0].strip() or "cpu"
 
 
 def dtype_from_args(args: argparse.Namespace) -> torch.dtype | None:

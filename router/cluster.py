@@ -29,6 +29,7 @@ from common.grpc_util import bind_problem
 from common.lifecycle import PARENT_PID_ENV
 from common.logging_setup import echo_line
 from common.security import TOKEN_ENV, TOKEN_FILE_ENV
+from router.device_plan import worker_devices
 from router.memory_shares import memory_shares
 
 _LISTENING = re.compile(r"^(\S+) listening on (\S+:\d+)\s*$")
@@ -49,7 +50,9 @@ class ClusterConfig:
     """What to start. worker_args go to every worker (--dtype, --page-size, ...).
 
     devices, when given, are assigned to the workers in order (prefill workers first), cycling,
-    so ``("cuda:0", "cuda:1")`` puts one prefill and one decode worker on separate GPUs.
+    so ``("cuda:0", "cuda:1")`` puts one prefill and one decode worker on separate GPUs; with
+    tensor-parallel workers, one per rank of all workers gives each worker GPUs of its own
+    (``router/device_plan.py``).
     """
 
     model: str = "tiny"
@@ -98,6 +101,12 @@ class ClusterConfig:
             raise ValueError("a cluster needs at least one prefill and one decode worker")
         if self.prefill_tp < 1 or self.decode_tp < 1:
             raise ValueError("a worker's tensor-parallel size must be at least 1")
+        self.worker_devices()  # raises ValueError for devices that do not fit the workers
+
+    def worker_devices(self) -> list[str | None]:
+        """Each worker's ``--device`` (None: none given), prefill workers first."""
+        return worker_devices(self.devices, [self.prefill_tp] * self.num_prefill
+                              + [self.decode_tp] * self.num_decode)
 
 
 @dataclass
@@ -249,6 +258,7 @@ class Cluster:
         kinds = ["prefill"] * c.num_prefill + ["decode"] * c.num_decode
         counts: dict[str, int] = collections.Counter()
         planned: list[tuple[str, list[str]]] = []
+        devices = c.worker_devices()
         try:
             for i, kind in enumerate(kinds):
                 module = c.prefill_module if kind == "prefill" else c.decode_module
@@ -258,8 +268,8 @@ class Cluster:
                         *(c.prefill_args if kind == "prefill" else c.decode_args),
                         *self._grace_args(), *self._log_args(),
                         *(["--metrics-port", "0"] if c.metrics else [])]
-                if c.devices:
-                    args += ["--device", c.devices[i % len(c.devices)]]
+                if devices[i] is not None:
+                    args += ["--device", devices[i]]
                 planned.append((kind, args))
             shares = [None] * len(planned) if c.mem_fraction is None \
                 else memory_shares([args for _, args in planned], c.mem_fraction)

@@ -140,3 +140,8 @@ def test_a_cpu_worker_gives_its_torch_threads_to_the_engine_thread():
             assert torch.get_num_threads() == 1  # the main thread keeps one
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_device_per_rank_takes_the_gpu_chunk():
+    ranks = worker_args("--device", "cuda:0,cuda:1", "--tp", "2")
+    assert engine_config_from_args(ranks, prefill=True).scheduler.max_prefill_tokens == 8192
