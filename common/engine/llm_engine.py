@@ -358,12 +358,18 @@ class LLMEngine:
         ``progress``: a progress bar for the graph capture (on a terminal only)."""
         steps = self.speculator.block_size + 2 if self.speculator else 3
         params = SamplingParams(temperature=0.0, max_new_tokens=steps, ignore_eos=True)
-        key = "__warmup__"
-        self.add_request(list(range(1, 9)), params, request_id=key)
-        while key in self.requests and self.has_work():
-            if any(e.held for e in self.step()):
-                break
-        self.abort(key)  # a request held for handoff (prefill workers) still owns its cache
+        # two prompts of different lengths, prefilled in one step and decoded together: a
+        # batched prefill may take kernel variants a single prompt does not (on an H200 the
+        # first 16 concurrent prompts in 8192-token steps took 6-7 s in each fresh process,
+        # docs/handoff_performance.md run E; whether this is the cause is not confirmed)
+        keys = ["__warmup__0", "__warmup__1"]
+        for key, length in zip(keys, (8, 5)):
+            self.add_request(list(range(1, length + 1)), params, request_id=key)
+        held: set[str] = set()
+        while any(k in self.requests and k not in held for k in keys) and self.has_work():
+            held.update(e.request_id for e in self.step() if e.held)
+        for key in keys:
+            self.abort(key)  # a request held for handoff (prefill workers) still owns its cache
         self.capture_cuda_graphs(progress)
 
     def load(self) -> dict[str, int]:

@@ -141,3 +141,22 @@ def test_a_prefilled_request_continues_as_if_it_never_moved(model):
         tokens += [e.token_id for e in decode.step() if e.request_id == "r"]
     assert tokens == whole.output_ids
     assert "r" not in decode.requests and free_counts(decode) == before
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["local", "prefill worker"])
+def test_warmup_prefills_two_prompts_in_one_step_and_gives_their_room_back(hold):
+    engine = LLMEngine(load_model("tiny"), EngineConfig(cache=CACHE, hold_after_prefill=hold))
+    free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
+    batches = []
+    run = engine.runner.run
+
+    def recording(step, **kwargs):
+        batches.append((step.mode.name, len(step.requests)))
+        return run(step, **kwargs)
+
+    engine.runner.run = recording
+    engine.warmup(progress=False)
+    assert ("EXTEND", 2) in batches
+    assert hold or ("DECODE", 2) in batches
+    assert not engine.requests and not engine.has_work()
+    assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
