@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+import torch
 from google.protobuf.message import DecodeError
 
 from common import convert
@@ -60,7 +61,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.max_handoff_bytes = max_handoff_bytes
         self.metrics = engine.metrics
         # lands chunk bytes (checksum, copy into the pools), several chunks of a handoff at once
-        self.writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="handoff-writer")
+        # one torch CPU thread each: a landing is a copy, and an OpenMP team per writer thread
+        # would take cores from the engine thread's steps (on the CPU)
+        self.writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="handoff-writer",
+                                         initializer=torch.set_num_threads, initargs=(1,))
 
     async def _reserve(self, header: HeaderPart, source):
         """Room for a checked header, taken on the engine thread."""

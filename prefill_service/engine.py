@@ -14,6 +14,7 @@ import torch
 
 from common.engine.llm_engine import LLMEngine
 from common.engine.errors import StepFailed
+from common.engine.layer_progress import LayerProgress
 from common.engine.loop import EngineLoop, resolve
 from common.handoff.layout import LayoutDescriptor
 from common.logprobs import TokenLogprobs
@@ -55,8 +56,9 @@ class StateReady:
     ready: torch.cuda.Event | None = None
     # with the first token, when the request asks for log-probabilities
     first_logprobs: TokenLogprobs | None = None
-    # one event per model layer, recorded as the step's forward ran each (None: only ``ready``)
-    layer_ready: tuple[torch.cuda.Event, ...] | None = None
+    # the progress of the step's forward, layer by layer, reported before it ran (None: the
+    # step is over, read after ``ready``)
+    layer_ready: LayerProgress | None = None
     # draft context pages ``[0, draft_pages)`` are final (None: as many as ``num_pages``); the
     # GDN state of ``slot`` is final (None: once ``final``)
     draft_pages: int | None = None
@@ -116,7 +118,7 @@ class PrefillEngine(EngineLoop):
         # the tensor-parallel followers, whose parts of a request's state are gathered here
         self._followers = engine.runner.followers
         if self._followers is None:  # sharded pools cannot be read layer by layer
-            engine.on_extend_queued = self._extend_queued
+            engine.on_extend = self._extend_starting
         # per request: when it was submitted, and when the first step that ran it began
         self._submitted: dict[str, float] = {}
         self._started: dict[str, float] = {}
@@ -167,30 +169,33 @@ class PrefillEngine(EngineLoop):
         # held (prefilled) requests are out of the batch; they only wait for release()
         return self.engine.has_work()
 
-    def _final_pages(self, req, done: bool) -> int:
+    def _final_pages(self, req, done: bool, cached: int | None = None) -> int:
         """Pages of ``req`` whose KV is final: all of the prompt's once it is ``done``, else
-        the full pages so far (the last one fills on in the next chunk)."""
+        the full pages of its ``cached`` tokens (default: those cached now; the last one fills
+        on in the next chunk)."""
         page_size = self.engine.kv_pool.page_size
-        return -(-len(req.prompt_ids) // page_size) if done else req.num_cached // page_size
+        cached = req.num_cached if cached is None else cached
+        return -(-len(req.prompt_ids) // page_size) if done else cached // page_size
 
-    def _extend_queued(self, reqs, layers) -> None:
-        """An EXTEND forward is queued on the GPU: report what it makes final (KV pages, and
-        on a prompt's last chunk its GDN state) with one event per layer, so the handoff reads
-        each layer as it ends instead of after the step. The draft context and the first token
-        follow from ``step``."""
-        for req in reqs:
+    def _extend_starting(self, step, progress) -> None:
+        """An EXTEND forward is about to run: report what it makes final (KV pages, and on a
+        prompt's last chunk its GDN state) with its layer progress, so the handoff reads each
+        layer as soon as it has run instead of after the step. The draft context and the
+        first token follow from ``step``."""
+        for req, n in zip(step.requests, step.num_new_tokens):
             key = req.request_id
             entry = self._jobs.get(key)
             if entry is None or key in self._broken:
                 continue
-            done = req.num_cached >= len(req.prompt_ids)
-            pages = self._final_pages(req, done)
+            cached = req.num_cached + n
+            done = cached >= len(req.prompt_ids)
+            pages = self._final_pages(req, done, cached)
             if not done and pages == self._reported[key]:
                 continue
             self._reported[key] = pages
             try:
                 entry[2](StateReady(tuple(req.page_ids), req.slot, pages, req.speculative,
-                                    layer_ready=layers, draft_pages=0, states_final=done))
+                                    layer_ready=progress, draft_pages=0, states_final=done))
             except Exception as exc:  # noqa: BLE001 - handled after the step, for this one only
                 self._broken[key] = exc
 

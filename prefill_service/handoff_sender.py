@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import torch
 
 from common import convert
 from common.auth import TOKEN_HEADER
@@ -293,7 +294,10 @@ class HandoffSender:
         self.tcp = (TcpConnections(dict(security.metadata).get(TOKEN_HEADER))
                     if takes_tcp_with(transport, security.tls) else None)
         # each handoff's reads (and, over TCP, its writes) run on one of these at a time
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="handoff-sender")
+        # one torch CPU thread each: their gathers are copies, and an OpenMP team per sender
+        # thread would take cores from the engine thread's forward (on the CPU)
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="handoff-sender",
+                                            initializer=torch.set_num_threads, initargs=(1,))
 
     def stream(self, address: str, header: HeaderPart) -> HandoffStream:
         """A handoff to ``address``, not yet opened."""

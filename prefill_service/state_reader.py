@@ -1,9 +1,10 @@
 """Reads the final parts of a held request's prompt state out of the prefill pools as encoded
 handoff chunks, on a sender thread (never the engine thread).
 
-On a GPU the gather runs on a stream of its own that first waits for the layer (or the step) that
-wrote the state (``StateReady.layer_ready``, ``StateReady.ready``), and lands in reused pinned
-host memory; only this thread waits for it.
+Each piece is read once the layer that writes it has run: a report made before its step
+(``StateReady.layer_ready``) says when each layer is queued, and this thread waits for that; on a
+GPU the gather then runs on a stream of its own that waits for the layer's event (or the step's,
+``StateReady.ready``) and lands in reused pinned host memory. Only this thread waits.
 Pages and the slot of a held request are not written again until it is released, so reading
 them while the engine runs other requests is safe.
 
@@ -51,7 +52,7 @@ class StateReader:
     The state is read a piece at a time (one layer, or a run of its pages of at most
     ``piece_bytes``): on a GPU each piece is copied on the reader's stream into a buffer of
     ``host_buffers`` (pinned, reused) while the piece before it is encoded, and each waits only
-    for the layer that wrote it when the step reports per-layer events (``StateReady.layer_ready``).
+    for the layer that wrote it when the step reports its progress (``StateReady.layer_ready``).
     """
 
     def __init__(self, kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
@@ -110,7 +111,7 @@ class StateReader:
             page_bytes = pool[0, 0, 0].numel() * pool.element_size()
             per_piece = max(1, self.piece_bytes // (2 * page_bytes))
             for layer in range(pool.shape[0]):
-                event = self._layer_event(ready, name, layer)
+                event = self._layer_wait(ready, name, layer)
                 for a in range(0, len(ids), per_piece):
                     piece_ids = ids[a:a + per_piece]
                     piece_tail = tail if a + len(piece_ids) == len(ids) else 0
@@ -124,7 +125,7 @@ class StateReader:
         conv, ssm, slot = self._conv, self._ssm, ready.slot
         if ready.gathered is not None:
             conv, ssm, slot = ready.gathered.conv, ready.gathered.ssm, 0
-        return [_Piece(name, layer, self._layer_event(ready, name, layer), None,
+        return [_Piece(name, layer, self._layer_wait(ready, name, layer), None,
                        lambda pool=pool, layer=layer: pool[layer, slot])
                 for name, pool in (("conv_state", conv), ("ssm_state", ssm))
                 for layer in range(pool.shape[0])]
@@ -142,13 +143,19 @@ class StateReader:
             yield from encode_layer(piece.field, piece.layer, offset,
                                     memoryview(halves[half]), ledgers, self.chunk_bytes)
 
-    def _layer_event(self, ready: StateReady, field: str, layer: int):
-        """What a read of ``layer`` of ``field`` waits for: the event after the model layer
-        that wrote it, when the step recorded them, else the end of the step."""
-        if ready.layer_ready is None or self.model_layers is None:
-            return ready.ready
-        index = self.model_layers.model_layer(field, layer)
-        return ready.ready if index is None else ready.layer_ready[index]
+    def _layer_wait(self, ready: StateReady, field: str, layer: int) -> Callable[[], object]:
+        """What a read of ``layer`` of ``field`` waits for, as a call that returns the event
+        for the reader's stream (None: nothing to wait for on the device): the model layer
+        that wrote it, when the step reports its progress (the call blocks until that layer is
+        queued), else the end of the step."""
+        index = (None if ready.layer_ready is None or self.model_layers is None
+                 else self.model_layers.model_layer(field, layer))
+        if index is None:
+            if ready.layer_ready is not None:  # written after the forward: wait for all of it
+                last = ready.layer_ready.num_layers - 1
+                return lambda: ready.layer_ready.wait(last) or ready.ready
+            return lambda: ready.ready
+        return lambda: ready.layer_ready.wait(index)
 
     def _to_host(self, pieces: list[_Piece], ready: StateReady):
         """``(piece, uint8 ndarray of its bytes)`` in order. On a GPU the copy of the next
@@ -156,6 +163,7 @@ class StateReader:
         caller has encoded it (the chunks are copies)."""
         if self._stream is None:
             for piece in pieces:
+                piece.wait()  # the CPU: the layer has run once it is queued
                 yield piece, _host_bytes(piece.gather().contiguous())
             return
         in_flight: collections.deque = collections.deque()
@@ -180,9 +188,10 @@ class StateReader:
                 copy.release()
 
     def _start_copy(self, piece: _Piece) -> _Copy:
+        event = piece.wait()  # blocks until the layer is queued
         with torch.cuda.stream(self._stream):
-            if piece.event is not None:
-                self._stream.wait_event(piece.event)
+            if event is not None:
+                self._stream.wait_event(event)
             device = piece.gather().contiguous()
             nbytes = device.numel() * device.element_size()
             # never waits: when the pool is short (another reader holds it), torch's caching
@@ -230,7 +239,7 @@ class ModelLayers:
 class _Piece:
     field: str
     layer: int
-    event: object  # torch.cuda.Event or None
+    wait: Callable[[], object]  # blocks until it may be read; its event (GPU) or None
     where: tuple[int, int] | None  # (first page, page bytes) of a run of pages; None: a state
     gather: Callable[[], torch.Tensor]
 

@@ -13,6 +13,7 @@ from common.cache.pools import CacheConfig, make_pools  # noqa: F401 - re-export
 from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.errors import StepFailed, is_device_fault
 from common.engine.graph_policy import decode_graph_runner, graphs_apply
+from common.engine.layer_progress import LayerProgress
 from common.engine.model_runner import ModelRunner
 from common.engine.overlap import InFlight, OverlapDecoder
 from common.engine.request import Request
@@ -111,11 +112,10 @@ class LLMEngine:
         if config.overlap_schedule and self.runner.graphs is not None:
             self.overlap = OverlapDecoder(self.runner.graphs, config.cache.num_slots)
         self.sampler = Sampler()
-        # on a GPU, called with an EXTEND step's requests (``num_cached`` advanced) and one CUDA
-        # event per model layer as soon as its forward is queued: a prefill worker's handoff
-        # reads each layer's state once that layer has run
-        self.on_extend_queued: Callable[[list[Request], tuple[torch.cuda.Event, ...]],
-                                        None] | None = None
+        # called with an EXTEND step (``num_cached`` not yet advanced) and the progress of its
+        # forward just before the forward starts: a prefill worker's handoff reads each
+        # layer's state once that layer has run (``common/engine/layer_progress.py``)
+        self.on_extend: Callable[[ScheduledStep, LayerProgress], None] | None = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._stepping: list[Request] = []  # requests of the step now running (for StepFailed)
@@ -285,10 +285,10 @@ class LLMEngine:
 
     def _forward(self, step: ScheduledStep) -> list[TokenEvent]:
         """One target forward (EXTEND or DECODE) and a token for each request it completes."""
-        report = step.mode == ForwardMode.EXTEND and self.on_extend_queued is not None
-        out, batch, layers = self.runner.run_with_layer_events(step, report)
-        if layers is not None:  # before anything waits for the device
-            self.on_extend_queued(step.requests, layers)
+        if step.mode == ForwardMode.EXTEND and self.on_extend is not None:
+            out, batch = self.runner.run_reporting(step, self.on_extend)
+        else:
+            out, batch = self.runner.run(step)
         if self.speculator is not None and step.mode == ForwardMode.EXTEND:
             rows = [t for r, start, n in zip(step.requests, batch.cu_seqlens.tolist(),
                                              batch.extend_lens) if r.speculative

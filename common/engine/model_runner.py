@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
 from common.engine.cuda_graph import GraphRunner
 from common.engine.errors import GroupOutOfStep
+from common.engine.layer_progress import LayerProgress
 from common.engine.scheduler import ScheduledStep
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
@@ -98,13 +101,18 @@ class ModelRunner:
             r.num_cached += n
         return out, batch
 
-    def run_with_layer_events(self, step: ScheduledStep, record: bool):
-        """``run``, and with ``record`` on a GPU one CUDA event per model layer, recorded as
-        each layer's work is queued (None otherwise): readers of a layer's state wait for its
-        event instead of the whole step."""
-        if not record or self.device.type != "cuda":
-            return (*self.run(step), None)
-        layers = [torch.cuda.Event() for _ in range(self.model.config.num_hidden_layers)]
-        out, batch = self.run(step, after_layer=lambda i: layers[i].record())
-        return out, batch, tuple(layers)
+    def run_reporting(self, step: ScheduledStep,
+                      on_start: Callable[[ScheduledStep, LayerProgress], None]):
+        """``run``, first handing ``on_start`` the forward's :class:`LayerProgress`, which is
+        told as each model layer is queued (and when the forward is done, or raised), so that
+        readers of a layer's state wait for that layer only."""
+        progress = LayerProgress(self.model.config.num_hidden_layers, self.device.type == "cuda")
+        on_start(step, progress)
+        try:
+            out, batch = self.run(step, after_layer=progress.layer_queued)
+        except BaseException as exc:
+            progress.fail(exc)
+            raise
+        progress.finish()
+        return out, batch
 

@@ -74,11 +74,11 @@ def test_a_request_whose_step_fails_gets_an_error_and_the_next_one_runs(engine):
     real_run = engine.engine.runner.run
     calls = []
 
-    def fail_once(step):
+    def fail_once(step, **kwargs):
         calls.append(step)
         if len(calls) == 1:
             raise ValueError("kernel refused the batch")
-        return real_run(step)
+        return real_run(step, **kwargs)
 
     engine.call(setattr, engine.engine.runner, "run", fail_once).result(5)
     with pytest.raises(RuntimeError, match="prefill failed"):
@@ -90,10 +90,15 @@ def test_a_request_whose_step_fails_gets_an_error_and_the_next_one_runs(engine):
 
 def test_progress_reports_each_finished_page_then_the_final_state(engine):
     """Prompt of 9 tokens, pages of 4, chunks of 3: chunk 1 completes no page, chunk 2 the
-    first, chunk 3 the prompt (its last page partly filled) and the state."""
+    first, chunk 3 the prompt (its last page partly filled) and the state. Each is reported
+    before its forward runs, with the forward's layer progress; the first token follows."""
     seen = []
     first_token = engine.submit(job(11), seen.append).result(30).token_id
     engine.release(11).result(5)
-    assert [r.num_pages for r in seen] == [1, 3]
-    assert [r.first_token for r in seen] == [None, first_token]
+    assert [r.num_pages for r in seen] == [1, 3, 3]
+    assert [r.first_token for r in seen] == [None, None, first_token]
+    assert [r.final_states for r in seen] == [False, True, True]
+    assert [r.layer_ready is not None for r in seen] == [True, True, False]
+    assert all(r.layer_ready.wait(r.layer_ready.num_layers - 1, timeout_s=0) is None
+               for r in seen[:2])  # their forwards ran to the end
     assert all(len(r.page_ids) >= 3 and r.slot is not None for r in seen)

@@ -9,6 +9,7 @@ import torch
 from common.handoff.chunk_codec import decode_chunk
 from common.handoff.checksum import crc32c
 from common.handoff.manifest import FieldSpec
+from common.engine.layer_progress import ForwardFailed, LayerProgress
 from prefill_service.engine import StateReady
 from prefill_service.state_reader import (ModelLayers, PromptShape, StateReader,
                                           fold_checksums, new_ledgers)
@@ -101,7 +102,7 @@ def test_gpu_reads_wait_for_each_layer_and_reuse_pinned_buffers():
     prompt_len, page_ids, slot = 21, (3, 8, 1, 10, 6, 4), 2
     layers = ModelLayers((0, 2, 4), (1, 3))
     reader = StateReader(kv, conv, ssm, draft, 100, piece_bytes=1000, model_layers=layers)
-    events = []
+    progress = LayerProgress(5, cuda=True)
     for i in range(5):  # the "forward": layer i rewrites its own state, then records
         busy = torch.randn(2048, 2048, device="cuda")
         for _ in range(4):
@@ -112,9 +113,9 @@ def test_gpu_reads_wait_for_each_layer_and_reuse_pinned_buffers():
             j = layers.gdn.index(i)
             conv[j] += 1
             ssm[j] += 1
-        events.append(torch.cuda.Event())
-        events[-1].record()
-    ready = StateReady(page_ids, slot, 6, False, layer_ready=tuple(events), states_final=True)
+        progress.layer_queued(i)
+    progress.finish()
+    ready = StateReady(page_ids, slot, 6, False, layer_ready=progress, states_final=True)
     prompt = PromptShape(prompt_len, PAGE)
     pages = len(page_ids)
     manifest = {"kv": FieldSpec("float32", (3, 2, pages, PAGE, HEADS, DIM)),
@@ -160,3 +161,69 @@ def test_a_last_chunk_is_read_in_the_order_the_forward_writes_it():
             order.append((chunk.field, chunk.layer))
     assert order == [("conv_state", 0), ("ssm_state", 0), ("kv", 0), ("conv_state", 1),
                      ("ssm_state", 1), ("kv", 1), ("kv", 2), ("dflash_context", 0)]
+
+
+def test_a_report_made_before_the_forward_reads_each_layer_once_it_has_run():
+    """The reader starts before the "forward" (on this thread) has written anything; each
+    layer's bytes are read only after that layer is queued, so every byte is the new one."""
+    import threading
+
+    kv, conv, ssm, _ = pools(1)
+    prompt_len, page_ids, slot = 21, (3, 8, 1, 10, 6, 4), 2
+    layers = ModelLayers((0, 2, 4), (1, 3))
+    reader = StateReader(kv, conv, ssm, None, 100, piece_bytes=1000, model_layers=layers)
+    progress = LayerProgress(5, cuda=False)
+    ready = StateReady(page_ids, slot, 6, False, layer_ready=progress, states_final=True)
+    prompt = PromptShape(prompt_len, PAGE)
+    pages = len(page_ids)
+    manifest = {"kv": FieldSpec("float32", (3, 2, pages, PAGE, HEADS, DIM)),
+                "conv_state": FieldSpec("float32", (2, 6, 3)),
+                "ssm_state": FieldSpec("float32", (2, 2, 4, 4))}
+    ledgers = new_ledgers(manifest)
+    messages, first_read = [], threading.Event()
+
+    def read():
+        for message in reader.read(ready, [("kv", 0, pages)], True, prompt, ledgers):
+            first_read.set()
+            messages.append(message)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    for i in range(5):
+        assert not first_read.wait(0.05) or i > 0  # nothing is read before layer 0 is queued
+        if i in layers.full_attention:
+            kv[layers.full_attention.index(i)] += 1
+        else:
+            j = layers.gdn.index(i)
+            conv[j] += 1
+            ssm[j] += 1
+        progress.layer_queued(i)
+    progress.finish()
+    thread.join(10)
+    want = {"kv": expected_paged(kv, page_ids, prompt_len),
+            "conv_state": conv[:, slot], "ssm_state": ssm[:, slot]}
+    got = {name: torch.zeros_like(t) for name, t in want.items()}
+    for message in messages:
+        chunk = decode_chunk(message)
+        flat = got[chunk.field][chunk.layer].reshape(-1).view(torch.uint8)
+        flat[chunk.offset:chunk.offset + len(chunk.data)] = torch.frombuffer(
+            bytearray(chunk.data), dtype=torch.uint8)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_a_forward_that_fails_ends_the_reads_waiting_on_it():
+    kv, conv, ssm, _ = pools(1)
+    reader = StateReader(kv, conv, ssm, None, 100, model_layers=ModelLayers((0, 2, 4), (1, 3)))
+    progress = LayerProgress(5, cuda=False)
+    ready = StateReady((3, 8, 1, 10, 6, 4), 2, 6, False, layer_ready=progress,
+                       states_final=True)
+    progress.layer_queued(0)
+    progress.fail(RuntimeError("boom"))
+    manifest = {"kv": FieldSpec("float32", (3, 2, 6, PAGE, HEADS, DIM)),
+                "conv_state": FieldSpec("float32", (2, 6, 3)),
+                "ssm_state": FieldSpec("float32", (2, 2, 4, 4))}
+    messages = reader.read(ready, [("kv", 0, 6)], True, PromptShape(21, PAGE),
+                           new_ledgers(manifest))
+    with pytest.raises(ForwardFailed, match="before layer 1"):
+        list(messages)

@@ -1,0 +1,74 @@
+"""How far one forward has got, layer by layer, for readers on other threads.
+
+A prefill worker reports what an EXTEND step will make final *before* the step runs, with one
+of these: the handoff's reader thread asks :meth:`LayerProgress.wait` for the layer that writes
+a piece of state, and gets it as soon as the engine thread has queued that layer (on a GPU, with
+a CUDA event recorded behind the layer's kernels for the reader's stream to wait on; on the CPU
+a queued layer has run). So a layer's state starts on its way while the forward is still being
+launched, not once the whole forward is queued.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class ForwardFailed(RuntimeError):
+    """The forward a reader waited on raised before it queued the layer."""
+
+
+class LayerProgress:
+    """Layers ``0..queued-1`` of one forward are queued. The engine thread calls
+    :meth:`layer_queued` in order, then :meth:`finish` (or :meth:`fail`); any thread may
+    :meth:`wait`."""
+
+    def __init__(self, num_layers: int, cuda: bool) -> None:
+        self.num_layers = num_layers
+        self._events = [torch.cuda.Event() for _ in range(num_layers)] if cuda else None
+        self._queued = 0
+        self._failed: BaseException | None = None
+        self._changed = threading.Condition()
+
+    # engine thread
+    def layer_queued(self, layer: int) -> None:
+        """Layer ``layer``'s work is queued (the forward's ``after_layer``)."""
+        if self._events is not None:
+            self._events[layer].record()
+        with self._changed:
+            self._queued = max(self._queued, layer + 1)
+            self._changed.notify_all()
+
+    def finish(self) -> None:
+        """The whole forward is queued. Layers it never reported (a model that does not call
+        ``after_layer``) are covered by an event recorded now, after all of them."""
+        if self._events is not None and self._queued < self.num_layers:
+            last = torch.cuda.Event()
+            last.record()
+            self._events[self._queued:] = [last] * (self.num_layers - self._queued)
+        with self._changed:
+            self._queued = self.num_layers
+            self._changed.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """The forward raised: every wait for a layer it did not queue raises now."""
+        with self._changed:
+            self._failed = exc
+            self._changed.notify_all()
+
+    # any thread
+    def wait(self, layer: int, timeout_s: float = 600.0) -> torch.cuda.Event | None:
+        """Block until ``layer`` is queued; then its event (a GPU: the reader's stream waits
+        on it), or None (the CPU: the layer has run). Raises ForwardFailed when the forward
+        raised first, TimeoutError when nothing happened for ``timeout_s``."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        with self._changed:
+            if not self._changed.wait_for(
+                    lambda: self._queued > layer or self._failed is not None, timeout_s):
+                raise TimeoutError(f"layer {layer} was not queued within {timeout_s} s")
+            if self._queued <= layer:
+                raise ForwardFailed(f"the forward failed before layer {layer}: "
+                                    f"{self._failed!r}")
+        return None if self._events is None else self._events[layer]
