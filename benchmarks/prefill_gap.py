@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.ttft import PAGE_SIZE, prompt_of, random_checkpoint, sync
+from benchmarks.ttft import PAGE_SIZE, local_engine, prompt_of, random_checkpoint, sync
 from common.sampling import SamplingParams
 
 
@@ -50,24 +50,13 @@ def worker_args(args, transport: str) -> argparse.Namespace:
 
 
 def engine_case(args):
-    from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
-    from common.engine.scheduler import SchedulerConfig
-    from common.model.kernels import select_kernels
-    from common.model.load import load_model
-
-    kernels = select_kernels("gpu" if args.device.startswith("cuda") else "reference")
-    model = load_model(args.model, device=args.device, kernels=kernels)
-    engine = LLMEngine(model, EngineConfig(
-        device=args.device, cache=CacheConfig(page_size=PAGE_SIZE, num_pages=args.num_pages,
-                                              num_slots=4),
-        scheduler=SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens)))
-    engine.warmup()
+    engine = local_engine(args, num_slots=4)
     one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
 
     def prefill(prompt):
         engine.generate([prompt], one)
 
-    return prefill, lambda: None, model.config.vocab_size
+    return prefill, lambda: None, engine.model.config.vocab_size
 
 
 def worker_main_case(args):

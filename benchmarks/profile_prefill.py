@@ -29,28 +29,12 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.ttft import PAGE_SIZE, prompt_of, random_checkpoint, sync
+from benchmarks.ttft import local_engine, prompt_of, random_checkpoint, sync
 from common.sampling import SamplingParams
 
 # host calls that block until the device has done something
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
          "cudaMemcpy", "aten::item", "aten::_local_scalar_dense")
-
-
-def build_engine(args):
-    from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
-    from common.engine.scheduler import SchedulerConfig
-    from common.model.kernels import select_kernels
-    from common.model.load import load_model
-
-    kernels = select_kernels("gpu" if args.device.startswith("cuda") else "reference")
-    model = load_model(args.model, device=args.device, kernels=kernels)
-    engine = LLMEngine(model, EngineConfig(
-        device=args.device, cache=CacheConfig(page_size=PAGE_SIZE, num_pages=args.num_pages,
-                                              num_slots=4),
-        scheduler=SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens)))
-    engine.warmup()
-    return engine
 
 
 def busy_ms(events) -> float:
@@ -129,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.model is None:
         args.model = random_checkpoint(Path(args.workdir))
-    engine = build_engine(args)
+    engine = local_engine(args, num_slots=4)
     vocab = engine.model.config.vocab_size
     one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
     engine.generate([prompt_of(args.length, 0, vocab)], one)  # warm-up of this shape

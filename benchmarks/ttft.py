@@ -66,17 +66,26 @@ def random_checkpoint(workdir: Path) -> str:
     return str(path)
 
 
-def in_process(args, lengths: list[int]) -> dict:
+def local_engine(args, num_slots: int) -> LLMEngine:
+    """The in-process engine the benchmarks compare against: ``args.model`` on ``args.device``
+    with its GPU kernels there, ``args.num_pages`` pages of ``PAGE_SIZE``, prefill chunks of
+    ``args.max_prefill_tokens``, warmed up."""
     from common.model.kernels import select_kernels
 
     kernels = select_kernels("gpu" if args.device.startswith("cuda") else "reference")
     model = load_model(args.model, device=args.device, kernels=kernels)
-    vocab = model.config.vocab_size
     engine = LLMEngine(model, EngineConfig(
         device=args.device, cache=CacheConfig(page_size=PAGE_SIZE, num_pages=args.num_pages,
-                                              num_slots=args.concurrent + 2),
+                                              num_slots=num_slots),
         scheduler=SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens)))
     engine.warmup()
+    return engine
+
+
+def in_process(args, lengths: list[int]) -> dict:
+    engine = local_engine(args, args.concurrent + 2)
+    model = engine.model
+    vocab = model.config.vocab_size
     one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
     out = {"first_tokens": {}}
     for n in lengths:

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "removes workers as the names' addresses change (default: %(default)s)")
     p.add_argument("--poll-interval", type=float, default=RegistryConfig.poll_interval_s,
                    help="seconds between load polls of each worker")
+    p.add_argument("--poll-timeout", type=float, default=RegistryConfig.poll_timeout_s,
+                   help="seconds a worker's load report may take before the worker counts as "
+                        "down (default: %(default)s)")
     p.add_argument("--max-attempts", type=int, default=DispatchConfig.max_attempts,
                    help="worker pairs tried per request before giving up")
     p.add_argument("--max-queue-wait", type=float, default=DispatchConfig.max_queue_wait_s,
@@ -97,6 +100,7 @@ def config_from_args(args: argparse.Namespace,
         model=args.model, prefill=tuple(args.prefill), decode=tuple(args.decode),
         host=args.host, port=args.port,
         registry=RegistryConfig(poll_interval_s=args.poll_interval,
+                                poll_timeout_s=args.poll_timeout,
                                 backoff_max_s=args.worker_backoff_max),
         discovery=DiscoveryConfig(interval_s=args.discovery_interval),
         clients=ClientConfig(), dispatch=DispatchConfig(

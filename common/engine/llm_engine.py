@@ -353,18 +353,19 @@ class LLMEngine:
                           logprobs=logprobs)
 
     def warmup(self, progress: bool = True) -> None:
-        """Run one short request through every path this engine serves (prefill, decode, a
-        DFLASH step), so that kernels compile and autotune before a worker reports SERVING.
+        """Run short requests through every path this engine serves (batched prefill and
+        decode, a DFLASH step), so that kernels compile before a worker reports SERVING.
         ``progress``: a progress bar for the graph capture (on a terminal only)."""
         steps = self.speculator.block_size + 2 if self.speculator else 3
         params = SamplingParams(temperature=0.0, max_new_tokens=steps, ignore_eos=True)
-        # two prompts of different lengths, prefilled in one step and decoded together: a
-        # batched prefill may take kernel variants a single prompt does not (on an H200 the
-        # first 16 concurrent prompts in 8192-token steps took 6-7 s in each fresh process,
-        # docs/handoff_performance.md run E; whether this is the cause is not confirmed)
-        keys = ["__warmup__0", "__warmup__1"]
-        for key, length in zip(keys, (8, 5)):
-            self.add_request(list(range(1, length + 1)), params, request_id=key)
+        # prompts of different lengths prefilled in one step: kernels pick other variants for
+        # a batch (FlashInfer's GDN prefill leaves its context-parallel kernel once sequences
+        # x heads reach half the SMs), whose first use would fall on a served request
+        count = max(1, min(8, self.state_pool.allocator.num_free,
+                           self.config.scheduler.max_running_requests))
+        keys = [f"__warmup__{i}" for i in range(count)]
+        for i, key in enumerate(keys):
+            self.add_request(list(range(1, 9 - i % 4)), params, request_id=key)
         held: set[str] = set()
         while any(k in self.requests and k not in held for k in keys) and self.has_work():
             held.update(e.request_id for e in self.step() if e.held)

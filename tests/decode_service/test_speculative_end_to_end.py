@@ -115,7 +115,9 @@ def test_speculative_greedy_equals_plain_greedy_through_the_router(tmp_path, kin
             procs.append(prefill)
             router, router_address = await asyncio.to_thread(
                 start, "router", "--model", target_path, "--prefill", prefill_address,
-                "--decode", decode_address, token=token)
+                # the decode service shares this process's GIL with its DFLASH steps: on a
+                # loaded 2-core machine a load report once took over the default 1 s
+                "--decode", decode_address, "--poll-timeout", "10", token=token)
             procs.append(router)
             seen = {}
             for mode in ("real", "all", "cycle"):

@@ -102,3 +102,31 @@ def test_progress_reports_each_finished_page_then_the_final_state(engine):
     assert all(r.layer_ready.wait(r.layer_ready.num_layers - 1, timeout_s=0) is None
                for r in seen[:2])  # their forwards ran to the end
     assert all(len(r.page_ids) >= 3 and r.slot is not None for r in seen)
+
+
+def test_a_forward_that_fails_after_its_report_ends_the_reads_waiting_on_it(engine):
+    """The report of a chunk goes out before its forward; when the forward raises, a reader
+    waiting on one of its layers gets ForwardFailed (not a wait without end), the request
+    fails, and its room comes back."""
+    from common.engine.layer_progress import ForwardFailed
+
+    real_forward = engine.engine.runner.forward
+    calls = []
+
+    def fail_at_layer_one(batch_args, *, after_layer=None):
+        calls.append(batch_args)
+        if len(calls) == 1:  # chunk 1 (3 tokens) completes no page, so reports nothing
+            return real_forward(batch_args, after_layer=after_layer)
+        after_layer(0)
+        raise ValueError("kernel refused the batch")
+
+    engine.call(setattr, engine.engine.runner, "forward", fail_at_layer_one).result(5)
+    seen = []
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        engine.submit(job(21), seen.append).result(30)
+    engine.call(setattr, engine.engine.runner, "forward", real_forward).result(5)
+    assert seen and seen[0].layer_ready is not None
+    assert seen[0].layer_ready.wait(0, timeout_s=0) is None  # queued before the failure
+    with pytest.raises(ForwardFailed, match="kernel refused"):
+        seen[0].layer_ready.wait(1, timeout_s=5)
+    assert engine.is_alive and full(engine)

@@ -3,6 +3,8 @@ payload exactly (stale rows of the last page zeroed), and the trailer's CRCs mat
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -33,6 +35,37 @@ def expected_paged(pool, page_ids, prompt_len):
     if tail:
         out[:, :, -1, PAGE - tail:] = 0
     return out
+
+
+FORWARD = ModelLayers((0, 2, 4), (1, 3))  # 3 attention and 2 GDN layers, interleaved
+
+
+def layered_manifest(pages: int) -> dict[str, FieldSpec]:
+    return {"kv": FieldSpec("float32", (3, 2, pages, PAGE, HEADS, DIM)),
+            "conv_state": FieldSpec("float32", (2, 6, 3)),
+            "ssm_state": FieldSpec("float32", (2, 2, 4, 4))}
+
+
+def write_layer(i: int, kv, conv, ssm) -> None:
+    """What model layer ``i`` of the "forward" writes: its own KV or GDN state."""
+    if i in FORWARD.full_attention:
+        kv[FORWARD.full_attention.index(i)] += 1
+    else:
+        j = FORWARD.gdn.index(i)
+        conv[j] += 1
+        ssm[j] += 1
+
+
+def assert_rebuilt(messages, want: dict[str, torch.Tensor]) -> None:
+    """The chunks in ``messages`` hold exactly ``want``'s bytes."""
+    got = {name: torch.zeros_like(t) for name, t in want.items()}
+    for message in messages:
+        chunk = decode_chunk(message)
+        flat = got[chunk.field][chunk.layer].reshape(-1).view(torch.uint8)
+        flat[chunk.offset:chunk.offset + len(chunk.data)] = torch.frombuffer(
+            bytearray(chunk.data), dtype=torch.uint8)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 @pytest.mark.parametrize("piece_bytes,chunk_bytes", [(1, 7), (300, 64), (1 << 20, 1 << 20),
@@ -100,40 +133,23 @@ def test_gpu_reads_wait_for_each_layer_and_reuse_pinned_buffers():
     layer's event only, lands in the reader's pinned pool, and every byte is right."""
     kv, conv, ssm, draft = (t.cuda() for t in pools(1))
     prompt_len, page_ids, slot = 21, (3, 8, 1, 10, 6, 4), 2
-    layers = ModelLayers((0, 2, 4), (1, 3))
-    reader = StateReader(kv, conv, ssm, draft, 100, piece_bytes=1000, model_layers=layers)
+    reader = StateReader(kv, conv, ssm, draft, 100, piece_bytes=1000, model_layers=FORWARD)
     progress = LayerProgress(5, cuda=True)
     for i in range(5):  # the "forward": layer i rewrites its own state, then records
         busy = torch.randn(2048, 2048, device="cuda")
         for _ in range(4):
             busy = busy @ busy / 2048
-        if i in layers.full_attention:
-            kv[layers.full_attention.index(i)] += 1
-        else:
-            j = layers.gdn.index(i)
-            conv[j] += 1
-            ssm[j] += 1
+        write_layer(i, kv, conv, ssm)
         progress.layer_queued(i)
     progress.finish()
     ready = StateReady(page_ids, slot, 6, False, layer_ready=progress, states_final=True)
-    prompt = PromptShape(prompt_len, PAGE)
     pages = len(page_ids)
-    manifest = {"kv": FieldSpec("float32", (3, 2, pages, PAGE, HEADS, DIM)),
-                "conv_state": FieldSpec("float32", (2, 6, 3)),
-                "ssm_state": FieldSpec("float32", (2, 2, 4, 4))}
-    ledgers = new_ledgers(manifest)
+    ledgers = new_ledgers(layered_manifest(pages))
     # read while the "forward" still runs on the device: nothing here synchronizes it
-    messages = list(reader.read(ready, [("kv", 0, pages)], True, prompt, ledgers))
-    want = {"kv": expected_paged(kv.cpu(), page_ids, prompt_len),
-            "conv_state": conv[:, slot].cpu(), "ssm_state": ssm[:, slot].cpu()}
-    got = {name: torch.zeros_like(t) for name, t in want.items()}
-    for message in messages:
-        chunk = decode_chunk(message)
-        flat = got[chunk.field][chunk.layer].reshape(-1).view(torch.uint8)
-        flat[chunk.offset:chunk.offset + len(chunk.data)] = torch.frombuffer(
-            bytearray(chunk.data), dtype=torch.uint8)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    messages = list(reader.read(ready, [("kv", 0, pages)], True, PromptShape(prompt_len, PAGE),
+                                ledgers))
+    assert_rebuilt(messages, {"kv": expected_paged(kv.cpu(), page_ids, prompt_len),
+                              "conv_state": conv[:, slot].cpu(), "ssm_state": ssm[:, slot].cpu()})
     assert reader.host_buffers.pinned and reader.host_buffers.num_buffers == 0
     reader.close()
 
@@ -166,24 +182,18 @@ def test_a_last_chunk_is_read_in_the_order_the_forward_writes_it():
 def test_a_report_made_before_the_forward_reads_each_layer_once_it_has_run():
     """The reader starts before the "forward" (on this thread) has written anything; each
     layer's bytes are read only after that layer is queued, so every byte is the new one."""
-    import threading
-
     kv, conv, ssm, _ = pools(1)
     prompt_len, page_ids, slot = 21, (3, 8, 1, 10, 6, 4), 2
-    layers = ModelLayers((0, 2, 4), (1, 3))
-    reader = StateReader(kv, conv, ssm, None, 100, piece_bytes=1000, model_layers=layers)
+    reader = StateReader(kv, conv, ssm, None, 100, piece_bytes=1000, model_layers=FORWARD)
     progress = LayerProgress(5, cuda=False)
     ready = StateReady(page_ids, slot, 6, False, layer_ready=progress, states_final=True)
-    prompt = PromptShape(prompt_len, PAGE)
     pages = len(page_ids)
-    manifest = {"kv": FieldSpec("float32", (3, 2, pages, PAGE, HEADS, DIM)),
-                "conv_state": FieldSpec("float32", (2, 6, 3)),
-                "ssm_state": FieldSpec("float32", (2, 2, 4, 4))}
-    ledgers = new_ledgers(manifest)
+    ledgers = new_ledgers(layered_manifest(pages))
     messages, first_read = [], threading.Event()
 
     def read():
-        for message in reader.read(ready, [("kv", 0, pages)], True, prompt, ledgers):
+        for message in reader.read(ready, [("kv", 0, pages)], True,
+                                   PromptShape(prompt_len, PAGE), ledgers):
             first_read.set()
             messages.append(message)
 
@@ -191,39 +201,23 @@ def test_a_report_made_before_the_forward_reads_each_layer_once_it_has_run():
     thread.start()
     for i in range(5):
         assert not first_read.wait(0.05) or i > 0  # nothing is read before layer 0 is queued
-        if i in layers.full_attention:
-            kv[layers.full_attention.index(i)] += 1
-        else:
-            j = layers.gdn.index(i)
-            conv[j] += 1
-            ssm[j] += 1
+        write_layer(i, kv, conv, ssm)
         progress.layer_queued(i)
     progress.finish()
     thread.join(10)
-    want = {"kv": expected_paged(kv, page_ids, prompt_len),
-            "conv_state": conv[:, slot], "ssm_state": ssm[:, slot]}
-    got = {name: torch.zeros_like(t) for name, t in want.items()}
-    for message in messages:
-        chunk = decode_chunk(message)
-        flat = got[chunk.field][chunk.layer].reshape(-1).view(torch.uint8)
-        flat[chunk.offset:chunk.offset + len(chunk.data)] = torch.frombuffer(
-            bytearray(chunk.data), dtype=torch.uint8)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert_rebuilt(messages, {"kv": expected_paged(kv, page_ids, prompt_len),
+                              "conv_state": conv[:, slot], "ssm_state": ssm[:, slot]})
 
 
 def test_a_forward_that_fails_ends_the_reads_waiting_on_it():
     kv, conv, ssm, _ = pools(1)
-    reader = StateReader(kv, conv, ssm, None, 100, model_layers=ModelLayers((0, 2, 4), (1, 3)))
+    reader = StateReader(kv, conv, ssm, None, 100, model_layers=FORWARD)
     progress = LayerProgress(5, cuda=False)
     ready = StateReady((3, 8, 1, 10, 6, 4), 2, 6, False, layer_ready=progress,
                        states_final=True)
     progress.layer_queued(0)
     progress.fail(RuntimeError("boom"))
-    manifest = {"kv": FieldSpec("float32", (3, 2, 6, PAGE, HEADS, DIM)),
-                "conv_state": FieldSpec("float32", (2, 6, 3)),
-                "ssm_state": FieldSpec("float32", (2, 2, 4, 4))}
     messages = reader.read(ready, [("kv", 0, 6)], True, PromptShape(21, PAGE),
-                           new_ledgers(manifest))
+                           new_ledgers(layered_manifest(6)))
     with pytest.raises(ForwardFailed, match="before layer 1"):
         list(messages)
