@@ -39,8 +39,9 @@ class RegistryConfig:
 
     poll_interval_s: float = 0.5
     # NOTE: the fetch_load coroutine applies the per-call deadline; this bounds it again so a
-    # misbehaving fetcher cannot stall the whole poll round.
-    poll_timeout_s: float = 1.0
+    # misbehaving fetcher cannot stall the whole poll round. 1 s proved too short for a worker
+    # whose event loop shares a loaded 2-core host with a handoff (a live worker marked down).
+    poll_timeout_s: float = 3.0
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     backoff_multiplier: float = 2.0

@@ -36,7 +36,7 @@ async def serving(api_key=None, dead_decode=False, max_attempts=3):
     router = Router(RouterConfig(
         model="tiny", prefill=(prefill.address,),
         decode=("127.0.0.1:1",) if dead_decode else (decode.address,),
-        registry=RegistryConfig(poll_interval_s=0.05, poll_timeout_s=0.5,
+        registry=RegistryConfig(poll_interval_s=0.05, poll_timeout_s=2.0,
                                 backoff_initial_s=30.0, backoff_max_s=60.0),
         dispatch=DispatchConfig(max_attempts=max_attempts, max_queue_wait_s=0.3), public=public,
         http=HttpConfig()))

@@ -33,7 +33,7 @@ async def serving(body):
     prefill, decode = await start_fake("prefill"), await start_fake("decode")
     router = Router(RouterConfig(
         model="tiny", prefill=(prefill.address,), decode=(decode.address,),
-        registry=RegistryConfig(poll_interval_s=0.05, poll_timeout_s=0.5,
+        registry=RegistryConfig(poll_interval_s=0.05, poll_timeout_s=2.0,
                                 backoff_initial_s=0.05, backoff_max_s=0.1),
         dispatch=DispatchConfig(max_attempts=1),
         public=ServerSecurity(check=MetadataCheck.api_key(KEY)), http=HttpConfig(),

@@ -29,7 +29,7 @@ async def cluster(num_prefill=1, num_decode=1, max_attempts=3, extra_prefill=(),
         model="tiny", prefill=tuple(w.address for w in prefills) + tuple(extra_prefill),
         decode=tuple(w.address for w in decodes) + tuple(extra_decode),
         # A long backoff keeps a worker marked down for the whole test.
-        registry=RegistryConfig(poll_interval_s=0.05, poll_timeout_s=0.5,
+        registry=RegistryConfig(poll_interval_s=0.05, poll_timeout_s=2.0,
                                 backoff_initial_s=30.0, backoff_max_s=60.0),
         # full decode workers are waited for briefly: long enough to see room come back
         dispatch=DispatchConfig(max_attempts=max_attempts, max_queue_wait_s=1.0,
