@@ -63,10 +63,12 @@ class StateReady:
     # GDN state of ``slot`` is final (None: once ``final``)
     draft_pages: int | None = None
     states_final: bool | None = None
-    # a tensor-parallel engine's final report: the full model's KV of the prompt's pages (in
-    # order: page i of it is ``page_ids[i]``) and its GDN state (slot 0), gathered from every
-    # rank, since each rank's pools hold only its heads; read instead of the pools
+    # a tensor-parallel engine's report: the full model's KV of the pages this report makes
+    # final (in order: page i of it is ``page_ids[gathered_from + i]``) and, in the final
+    # report, its GDN state (slot 0), gathered from every rank, since each rank's pools hold
+    # only its heads; read instead of the pools
     gathered: PromptState | None = None
+    gathered_from: int = 0
 
     @property
     def final(self) -> bool:
@@ -99,10 +101,11 @@ class PrefillEngine(EngineLoop):
     must only hand it on). The request keeps its pages and slot until ``release`` (after the
     decode side acknowledged, or on failure).
 
-    With tensor parallelism (the engine's runner has followers) the state is reported once,
-    when the prompt is done, with every rank's part gathered to this one (``gathered``): the
-    gather is a collective of the whole group, so it runs here on the engine thread between
-    steps, once per prompt rather than once per chunk."""
+    With tensor parallelism (the engine's runner has followers) each step's report carries
+    every rank's part of what it made final, gathered to this one (``gathered``): the KV pages
+    the chunk completed, and after the last chunk the GDN state too. The gather is a
+    collective of the whole group, so it runs here on the engine thread between steps, and
+    the KV of early chunks travels while later chunks compute."""
 
     def __init__(self, engine: LLMEngine, layout: LayoutDescriptor, fingerprint: str) -> None:
         super().__init__("prefill-engine", engine.config.cpu_threads)
@@ -219,21 +222,20 @@ class PrefillEngine(EngineLoop):
                 self.metrics.prompt_started(began - self._submitted[key])
             event = events.get(key)
             first = None if event is None else FirstToken(event.token_id, event.logprobs)
-            if first is None and self._followers is not None:
-                continue  # sharded: the state goes once, whole, when the prompt is done
             pages = self._final_pages(req, first is not None)
             if first is None and pages == self._reported[key] and key not in self._broken:
                 continue  # this chunk completed no page (or its forward reported them)
-            self._reported[key] = pages
+            since, self._reported[key] = self._reported[key], pages
             # a failure here leaves the group out of step: it ends the engine, not the request
-            gathered = None if self._followers is None else self._gather(req, pages)
+            gathered = (None if self._followers is None
+                        else self._gather(req, since, pages, final=first is not None))
             try:
                 if key in self._broken:
                     raise self._broken.pop(key)
                 sink(StateReady(tuple(req.page_ids), req.slot, pages, req.speculative,
                                 event.token_id if event else None, ready,
                                 first_logprobs=event.logprobs if event else None,
-                                gathered=gathered))
+                                gathered=gathered, gathered_from=since))
             except Exception as exc:  # the sink's owner is gone: end this request only
                 log.exception("handoff %s: reporting progress failed", key)
                 self._finish(key)
@@ -246,11 +248,13 @@ class PrefillEngine(EngineLoop):
                 if not resolve(result, first):  # its caller went away meanwhile
                     self.engine.release(key)
 
-    def _gather(self, req, pages: int) -> PromptState:
-        """The full model's state of ``req``'s first ``pages`` pages and its slot."""
+    def _gather(self, req, since: int, pages: int, *, final: bool) -> PromptState:
+        """The full model's KV of ``req``'s pages ``[since, pages)``, and its GDN state once
+        ``final``."""
         e = self.engine
         return self._followers.gather_state(e.model, e.kv_pool, e.state_pool,
-                                            req.page_ids[:pages], req.slot)
+                                            req.page_ids[since:pages],
+                                            req.slot if final else None)
 
     def _finish(self, key: str) -> tuple[PrefillJob, Future, ReadySink] | None:
         """Stop tracking a request; its entry, if it was tracked."""

@@ -8,9 +8,10 @@ GPU the gather then runs on a stream of its own that waits for the layer's event
 Pages and the slot of a held request are not written again until it is released, so reading
 them while the engine runs other requests is safe.
 
-A tensor-parallel worker's report carries the full model's state gathered from every rank
-(``StateReady.gathered``): its KV and GDN state are read from that instead of the pools, which
-hold only this rank's heads. The draft's pool is whole on rank 0 and is read as before.
+A tensor-parallel worker's report carries the full model's state of what it made final,
+gathered from every rank (``StateReady.gathered``: the pages from ``gathered_from`` on, and the
+GDN state in the final report): it is read from that instead of the pools, which hold only this
+rank's heads. The draft's pool is whole on rank 0 and is read as before.
 
 Payload layouts (``common/handoff/manifest.py``): ``kv`` and ``dflash_context`` are
 ``[L, 2, pages, page, kv_heads, head_dim]`` (K of every page, then V), so pages ``[a, b)`` of
@@ -103,7 +104,11 @@ class StateReader:
         ids = list(ready.page_ids[start:end])
         pool = self._kv if name == "kv" else self._draft_kv
         if name == "kv" and ready.gathered is not None:
-            pool, ids = ready.gathered.kv, list(range(start, end))  # its pages are in order
+            first = ready.gathered_from  # its pages are in order from there
+            if start < first or end - first > ready.gathered.num_pages:
+                raise ValueError(f"pages [{start}, {end}) are not all in the gathered "
+                                 f"[{first}, {first + ready.gathered.num_pages})")
+            pool, ids = ready.gathered.kv, list(range(start - first, end - first))
         last = end == prompt.num_pages
         tail = prompt.num_pages * prompt.page_size - prompt.prompt_len if last else 0
         pieces = []

@@ -69,7 +69,7 @@ class CommitVerified:
 @dataclass(frozen=True)
 class GatherState:
     page_ids: list[int]  # the request's prompt pages, in order
-    slot: int
+    slot: int | None  # None: the pages' KV only (a chunk before the prompt's last)
 
 
 @dataclass(frozen=True)
@@ -103,14 +103,17 @@ class FollowerLink:
     def stop(self) -> None:
         self.tp.broadcast_object(Stop())
 
-    def gather_state(self, model, kv_pool, state_pool, page_ids, slot: int) -> PromptState:
-        """The full model's state of one request (on the CPU), every rank's part gathered
-        here. Raises GroupOutOfStep when the group fails meanwhile."""
+    def gather_state(self, model, kv_pool, state_pool, page_ids,
+                     slot: int | None) -> PromptState:
+        """The full model's state of one request's ``page_ids`` and GDN ``slot`` (None: the
+        pages only), on the CPU, every rank's part gathered here. Raises GroupOutOfStep when
+        the group fails meanwhile."""
         page_ids = [int(p) for p in page_ids]
         self.tp.broadcast_object(GatherState(page_ids, slot))
         try:
             local = prompt_state.read_from_pools(kv_pool, state_pool, page_ids, slot)
-            full = PromptState.zeros_full(model.shard_plan, kv_pool, state_pool, len(page_ids))
+            full = PromptState.zeros_full(model.shard_plan, kv_pool, state_pool, len(page_ids),
+                                          with_state=slot is not None)
             return prompt_state.gather_to_leader(self.tp, model.shard_plan, local, full)
         except Exception as exc:
             raise GroupOutOfStep(f"gathering a prompt state failed: {type(exc).__name__}: "

@@ -49,16 +49,19 @@ class PromptState:
         return self.kv.shape[1]
 
     @classmethod
-    def zeros_full(cls, plan: ShardPlan, kv_pool, state_pool, num_pages: int) -> "PromptState":
+    def zeros_full(cls, plan: ShardPlan, kv_pool, state_pool, num_pages: int, *,
+                   with_state: bool = True) -> "PromptState":
         """A zeroed full-model state of ``num_pages`` pages on the CPU, shaped like these
-        (sharded) pools but with every head of ``plan``'s model."""
+        (sharded) pools but with every head of ``plan``'s model (without ``with_state``, GDN
+        state tensors of no slot)."""
         c = plan.config
         kv, conv, ssm = kv_pool.kv, state_pool.conv, state_pool.ssm
+        slots = 1 if with_state else 0
         return cls(
             torch.zeros(kv.shape[0], num_pages, *kv.shape[2:4], c.num_key_value_heads,
                         *kv.shape[5:], dtype=kv.dtype),
-            torch.zeros(conv.shape[0], 1, c.conv_dim, *conv.shape[3:], dtype=conv.dtype),
-            torch.zeros(ssm.shape[0], 1, c.linear_num_value_heads, *ssm.shape[3:],
+            torch.zeros(conv.shape[0], slots, c.conv_dim, *conv.shape[3:], dtype=conv.dtype),
+            torch.zeros(ssm.shape[0], slots, c.linear_num_value_heads, *ssm.shape[3:],
                         dtype=ssm.dtype))
 
 
@@ -78,12 +81,14 @@ def group_plans(plan: ShardPlan) -> list[ShardPlan]:
             for r in range(plan.world_size)]
 
 
-def read_from_pools(kv_pool, state_pool, page_ids, slot: int) -> PromptState:
-    """This rank's part of a request's state, copied out of its pools to the CPU."""
+def read_from_pools(kv_pool, state_pool, page_ids, slot: int | None) -> PromptState:
+    """This rank's part of a request's state, copied out of its pools to the CPU; with
+    ``slot`` None its KV pages only (the GDN state tensors then hold no slot)."""
     index = torch.tensor(list(page_ids), dtype=torch.long, device=kv_pool.kv.device)
+    slots = slice(0, 0) if slot is None else slice(slot, slot + 1)
     return PromptState(kv_pool.kv[:, index].cpu(),
-                       state_pool.conv[:, slot:slot + 1].cpu().clone(),
-                       state_pool.ssm[:, slot:slot + 1].cpu().clone())
+                       state_pool.conv[:, slots].cpu().clone(),
+                       state_pool.ssm[:, slots].cpu().clone())
 
 
 def write_to_pools(kv_pool, state_pool, page_ids, slot: int, state: PromptState) -> None:
