@@ -20,6 +20,7 @@ from common.logging_setup import add_log_format_arg, configure_logging
 from common.metrics.server import add_metrics_port_arg
 from common.metrics.tls import metrics_ssl_context
 from common.model.registry import DEFAULT_MODEL
+from common.parallel.launch import rank_devices
 from common.parallel.worker_group import add_tp_arg, check_tp_args, shares_pools_at
 from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig, default_max_prefill_tokens
@@ -115,7 +116,8 @@ def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> Engin
                           num_pages=args.num_pages or DEFAULT_NUM_PAGES,
                           num_slots=args.num_slots or DEFAULT_NUM_SLOTS),
         scheduler=SchedulerConfig(max_prefill_tokens=args.max_prefill_tokens
-                                  or default_max_prefill_tokens(rank0_device(args.device)),
+                                  or default_max_prefill_tokens(
+                                      rank_devices(args.device, args.tp)[0]),
                                   max_running_requests=args.max_running_requests,
                                   reserve_output_tokens=not prefill),
         device=args.device,
@@ -171,11 +173,6 @@ def pool_request_from_args(args: argparse.Namespace, config: EngineConfig, *,
                        default_slots=config.scheduler.max_running_requests + 1,
                        min_pages=min_pages(config),
                        copied_at_start=prefill and shares_pools_at(args, args.handoff_transport))
-
-
-def rank0_device(device: str) -> str:
-    """The device of a worker's own process: ``--device`` may list one per ``--tp`` rank."""
-    return device.split(",", 1)[0].strip() or "cpu"
 
 
 def dtype_from_args(args: argparse.Namespace) -> torch.dtype | None:

@@ -172,13 +172,14 @@ class PrefillEngine(EngineLoop):
         # held (prefilled) requests are out of the batch; they only wait for release()
         return self.engine.has_work()
 
-    def _final_pages(self, req, done: bool, cached: int | None = None) -> int:
-        """Pages of ``req`` whose KV is final: all of the prompt's once it is ``done``, else
-        the full pages of its ``cached`` tokens (default: those cached now; the last one fills
-        on in the next chunk)."""
+    def _final_pages(self, req, cached: int) -> int:
+        """Pages of ``req`` whose KV is final once ``cached`` of its prompt tokens are: all of
+        the prompt's when that is the whole prompt, else the full pages (the last one fills on
+        in the next chunk)."""
         page_size = self.engine.kv_pool.page_size
-        cached = req.num_cached if cached is None else cached
-        return -(-len(req.prompt_ids) // page_size) if done else cached // page_size
+        if cached >= len(req.prompt_ids):
+            return -(-len(req.prompt_ids) // page_size)
+        return cached // page_size
 
     def _extend_starting(self, step, progress) -> None:
         """An EXTEND forward is about to run: report what it makes final (KV pages, and on a
@@ -192,7 +193,7 @@ class PrefillEngine(EngineLoop):
                 continue
             cached = req.num_cached + n
             done = cached >= len(req.prompt_ids)
-            pages = self._final_pages(req, done, cached)
+            pages = self._final_pages(req, cached)
             if not done and pages == self._reported[key]:
                 continue
             self._reported[key] = pages
@@ -222,7 +223,7 @@ class PrefillEngine(EngineLoop):
                 self.metrics.prompt_started(began - self._submitted[key])
             event = events.get(key)
             first = None if event is None else FirstToken(event.token_id, event.logprobs)
-            pages = self._final_pages(req, first is not None)
+            pages = self._final_pages(req, req.num_cached)
             if first is None and pages == self._reported[key] and key not in self._broken:
                 continue  # this chunk completed no page (or its forward reported them)
             since, self._reported[key] = self._reported[key], pages

@@ -116,12 +116,12 @@ class StateReader:
             page_bytes = pool[0, 0, 0].numel() * pool.element_size()
             per_piece = max(1, self.piece_bytes // (2 * page_bytes))
             for layer in range(pool.shape[0]):
-                event = self._layer_wait(ready, name, layer)
+                wait = self._layer_wait(ready, name, layer)
                 for a in range(0, len(ids), per_piece):
                     piece_ids = ids[a:a + per_piece]
                     piece_tail = tail if a + len(piece_ids) == len(ids) else 0
                     pieces.append(_Piece(
-                        name, layer, event, (start + a, page_bytes),
+                        name, layer, wait, (start + a, page_bytes),
                         lambda pool=pool, layer=layer, piece_ids=piece_ids, t=piece_tail:
                             _gather(pool, layer, piece_ids, t)))
         return pieces
@@ -153,14 +153,13 @@ class StateReader:
         for the reader's stream (None: nothing to wait for on the device): the model layer
         that wrote it, when the step reports its progress (the call blocks until that layer is
         queued), else the end of the step."""
-        index = (None if ready.layer_ready is None or self.model_layers is None
-                 else self.model_layers.model_layer(field, layer))
-        if index is None:
-            if ready.layer_ready is not None:  # written after the forward: wait for all of it
-                last = ready.layer_ready.num_layers - 1
-                return lambda: ready.layer_ready.wait(last) or ready.ready
+        progress = ready.layer_ready
+        if progress is None:
             return lambda: ready.ready
-        return lambda: ready.layer_ready.wait(index)
+        index = None if self.model_layers is None else self.model_layers.model_layer(field, layer)
+        if index is None:  # written after the forward (or not known): wait for all of it
+            index = progress.num_layers - 1
+        return lambda: progress.wait(index)
 
     def _to_host(self, pieces: list[_Piece], ready: StateReady):
         """``(piece, uint8 ndarray of its bytes)`` in order. On a GPU the copy of the next
