@@ -50,8 +50,8 @@ class StreamCase:
     """One gRPC configuration: encoding (``protobuf`` or ``pre-encoded``), payload bytes per
     message, concurrent streams, whether each stream has its own TCP connection, and where both
     ends checksum every message with CRC-32C: ``none``, on the ``loop`` thread (over the
-    payload), or on worker ``threads`` (over the whole message, a ``bytes`` object that
-    google-crc32c reads without the GIL, less the prefix's CRC)."""
+    payload), or on worker ``threads`` (over the whole message, read in place without the
+    GIL, less the prefix's CRC)."""
 
     encoding: str
     message_bytes: int
@@ -86,7 +86,7 @@ def grpc_options(message_bytes: int) -> list[tuple[str, int]]:
 
 def _payload_crc(message: bytes, payload_bytes: int) -> int:
     """CRC-32C of the last ``payload_bytes`` of ``message``, reading ``message`` as a whole
-    (google-crc32c releases the GIL for ``bytes`` of 1 MiB or more)."""
+    (the GIL is released over it)."""
     prefix = len(message) - payload_bytes
     return crc32c_strip_prefix(crc32c(message), crc32c(message[:prefix]), payload_bytes)
 

@@ -59,7 +59,7 @@ def copy_rates(nbytes: int = 16 * MIB) -> list[dict]:
 
 
 def checksum_rates(nbytes: int = 64 * MIB) -> list[dict]:
-    """GB/s of CRC-32C (google-crc32c) and zlib's CRC-32 over ``nbytes``."""
+    """GB/s of CRC-32C (``common.handoff.checksum.crc32c``) and zlib's CRC-32 over ``nbytes``."""
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     as_bytes = data.tobytes()
     steps = {"crc32c (bytes)": lambda: crc32c(as_bytes),

@@ -108,7 +108,8 @@ def encoded_parts(payload: HandoffPayload, chunk_bytes: int):
     from common import convert
     from common.handoff.parts import TrailerPart
     from common.handoff.stream import header_of
-    from prefill_service.state_reader import encode_layer, fold_checksums, new_ledgers
+    from common.handoff.ledger import fold_checksums, new_ledgers
+    from prefill_service.state_reader import encode_layer
 
     header = header_of(payload)
     ledgers = new_ledgers(header.manifest)
@@ -136,14 +137,51 @@ def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> Iterator[byte
     yield trailer()
 
 
-async def send_over_tcp(handoff, payload: HandoffPayload, chunk_bytes: int, connections,
+TCP_FRAME_BYTES = 8 << 20  # the K or V half of a StateReader piece of 16 MiB
+
+
+def frame_parts(payload: HandoffPayload):
+    """``(header message, frames made as they are pulled, trailer of a count of TCP chunks)``
+    as the prefill worker makes them for ``tcp``: each frame's payload a view of the tensor's
+    memory, checksummed in place, never copied (``StateReader.frames``)."""
+    from common import convert
+    from common.handoff.checksum import crc32c
+    from common.handoff.chunk_codec import chunk_prefix
+    from common.handoff.parts import TrailerPart
+    from common.handoff.stream import header_of
+    from common.handoff.ledger import fold_checksums, new_ledgers
+    from prefill_service.tcp_connections import Frame
+
+    header = header_of(payload)
+    ledgers = new_ledgers(header.manifest)
+
+    def frames():
+        for name, tensor in payload.fields.items():
+            flat = tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
+            for layer in range(tensor.shape[0]):
+                data = memoryview(flat[layer])
+                for start in range(0, len(data), TCP_FRAME_BYTES):
+                    piece = data[start:start + TCP_FRAME_BYTES]
+                    ledgers[(name, layer)].claim(start, len(piece), name)
+                    ledgers[(name, layer)].record(start, crc32c(piece))
+                    yield Frame((chunk_prefix(name, layer, start, len(piece)), piece))
+
+    def trailer(tcp_chunks: int = 0) -> bytes:
+        part = TrailerPart(fold_checksums(header.manifest, ledgers), payload.first_token,
+                           tcp_chunks=tcp_chunks)
+        return convert.handoff_part_to_pb(part).SerializeToString()
+
+    return convert.handoff_part_to_pb(header).SerializeToString(), frames(), trailer
+
+
+async def send_over_tcp(handoff, payload: HandoffPayload, connections,
                         host: str, executor, num_connections: int) -> None:
     """The ``tcp`` transport as the prefill worker runs it: header and trailer on the call,
     the chunks written as frames on a sender thread (``prefill_service/tcp_connections.py``)."""
     from prefill_service.handoff_sender import _reply
     from prefill_service.tcp_connections import send_chunks
 
-    header, chunks, trailer = encoded_parts(payload, chunk_bytes)
+    header, chunks, trailer = frame_parts(payload)
     call = handoff(timeout=600.0)
     await call.write(header)
     accepted = (await _reply(call, "accepted")).accepted
@@ -187,8 +225,8 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
                 payload = make_payload(config, n)  # a fresh handoff id each time
                 start = time.perf_counter()
                 if transport == "tcp":
-                    await send_over_tcp(handoff, payload, chunk_bytes, connections,
-                                        tcp_host(address), executor, tcp_connections)
+                    await send_over_tcp(handoff, payload, connections, tcp_host(address),
+                                        executor, tcp_connections)
                 else:  # encoded on a thread while the loop writes, as the prefill worker does
                     await send_handoff(Stub, encoded_messages(payload, chunk_bytes), 600.0,
                                        executor)

@@ -1,18 +1,28 @@
 """Chunks of one handoff landing on writer threads while the handler reads the next ones.
 
 Each chunk is claimed on the event loop (its address checked, its byte range taken), then its
-checksum and its copy into the pools run on a writer thread: google-crc32c over the received
-``bytes`` and the copy both release the GIL, so up to ``max_in_flight`` chunks land while gRPC
-receives more. Results are recorded in arrival order; the trailer is checked only once every
-chunk has landed (``drain``). Whatever happens, ``settle`` waits for writes still running, so
-no thread writes into room that is given back.
+checksum and its copy into the pools run on a writer thread: CRC-32C over the chunk's payload,
+read in place inside its message, and the copy both release the GIL, so up to
+``max_in_flight`` chunks land while gRPC receives more. Results are recorded in arrival order;
+the trailer is checked only once every chunk has landed (``drain``). Whatever happens,
+``settle`` waits for writes still running, so no thread writes into room that is given back.
+
+A chunk from the stream lands from its message's ``bytes``. A chunk that came over TCP lands
+from its frame's host buffer (``source``, a uint8 tensor: pinned on a GPU worker, so its copy to
+the device is a true asynchronous one), and ``done`` gives that buffer back once nothing reads
+it any more: right after the landing (the write returns only once its copy has read the
+source), or at once when the chunk is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+from collections.abc import Callable
 from concurrent.futures import Executor
+
+import torch
 
 from common.handoff.chunk_codec import RawChunk
 from common.handoff.ledger import message_payload_crc
@@ -20,11 +30,14 @@ from common.handoff.parts import ChunkPart
 from common.handoff.stream import HandoffAssembler
 
 
-def _land(assembler: HandoffAssembler, chunk: ChunkPart, message: bytes,
-          raw: RawChunk | None) -> int:
+def _land(assembler: HandoffAssembler, chunk: ChunkPart, message: bytes | memoryview,
+          raw: RawChunk | None, source: torch.Tensor | None) -> int:
     crc = None
     if raw is not None and raw.data_start + len(raw.data) == len(message):
-        crc = message_payload_crc(message, raw.data_start)  # GIL released over the message
+        crc = message_payload_crc(message, raw.data_start)  # GIL released over the payload
+    if source is not None:
+        # the reservation lands the same bytes from the host tensor, which torch knows pinned
+        chunk = dataclasses.replace(chunk, data=source)
     return assembler.land_chunk(chunk, crc)
 
 
@@ -40,13 +53,28 @@ class ChunkLandings:
         self._max = max_in_flight
         self._pending: collections.deque = collections.deque()
 
-    async def add(self, chunk: ChunkPart, message: bytes, raw: RawChunk | None) -> None:
+    async def add(self, chunk: ChunkPart, message: bytes | memoryview, raw: RawChunk | None,
+                  *, source: torch.Tensor | None = None,
+                  done: Callable[[], None] | None = None) -> None:
         """Claim ``chunk`` and start landing it; waits while ``max_in_flight`` are landing.
-        Raises the ``HandoffError`` of a refused or failed chunk."""
-        self._assembler.claim_chunk(chunk)
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._writer, _land, self._assembler, chunk, message, raw)
-        self._pending.append((chunk, future))
+        Raises the ``HandoffError`` of a refused or failed chunk.
+
+        ``source``: the chunk's bytes (``chunk.data``'s) as a 1-D uint8 CPU tensor to land
+        from. ``done`` is called exactly once, whatever happens (this raising or cancelled
+        included), once the chunk's bytes are no longer read: on the writer thread after its
+        landing, or here when it is refused before landing."""
+        try:
+            self._assembler.claim_chunk(chunk)
+            landing = self._writer.submit(_land, self._assembler, chunk, message, raw, source)
+        except BaseException:
+            if done is not None:
+                done()
+            raise
+        if done is not None:
+            # runs on the writer thread as the landing ends (or where the future is cancelled,
+            # if it never started), not on the event loop: the buffer is free at once
+            landing.add_done_callback(lambda _: done())
+        self._pending.append((chunk, asyncio.wrap_future(landing)))
         while len(self._pending) >= self._max:
             await self._record_oldest()
 

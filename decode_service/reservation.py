@@ -6,6 +6,11 @@ into those pages and that slot, on a writer thread and (on a GPU) on a copy stre
 nothing else reads or writes them until admission, which orders the engine's stream after the
 copies. Allocation and freeing (bookkeeping) stay on the engine thread.
 
+Bytes land from a received buffer (the gRPC stream's ``bytes``) or from a uint8 host tensor (a
+``tcp`` frame's reusable buffer, pinned on a GPU worker): from pinned memory the copy to the
+device is truly asynchronous, so ``write`` records an event on the copy stream and waits for it
+on the writer thread before it returns, and only then may the buffer take the next frame.
+
 On rank 0 of a tensor-parallel worker the KV and GDN state land in a full-model staging state
 instead (``staged``; its pages in order, one slot): the pools hold only this rank's heads, and
 the engine scatters the staged state to every rank at admission (``decode_service/engine.py``).
@@ -26,37 +31,51 @@ import torch
 
 from common.handoff.errors import HandoffError
 from common.handoff.parts import HeaderPart, PoolCopyPart
-from common.handoff.reservation import host_bytes, write_bytes
+from common.handoff.reservation import ChunkBytes, host_bytes, write_bytes
 from common.parallel.prompt_state import PromptState
 from decode_service.peer_pools import SourcePools
 
 
 def write_paged(pool: torch.Tensor, layer: int, page_ids: list[int], num_pages: int,
-                offset: int, data: bytes | memoryview) -> None:
+                offset: int, data: ChunkBytes) -> None:
     """Land bytes ``[offset, offset + len(data))`` of one layer of a ``[2, num_pages, page, ...]``
     payload field in the pool ``[L, pool_pages, 2, page, ...]`` at the request's ``page_ids``.
 
     Whole pages go in one scatter per call; a range that starts or ends inside a page (only a
-    sender that splits oddly makes one) is written page piece by page piece."""
+    sender that splits oddly makes one) is written page piece by page piece. ``data`` may be a
+    uint8 host tensor (see ``common.handoff.reservation``); on a GPU it crosses as bytes and is
+    viewed as the pool's dtype there, so a piece at any byte offset of a pinned buffer stays one
+    pinned source."""
     page_shape = pool.shape[3:]
     page_bytes = pool[0, 0, 0].numel() * pool.element_size()
     half_bytes = num_pages * page_bytes
-    view = memoryview(data)
+    src = host_bytes(data)
+    start, end = 0, src.numel()
     pos = offset
-    while len(view):
+    while start < end:
         half, within = divmod(pos, half_bytes)
         page, intra = divmod(within, page_bytes)
-        if intra == 0 and len(view) >= page_bytes:
-            count = min(len(view) // page_bytes, num_pages - page)
+        left = end - start
+        if intra == 0 and left >= page_bytes:
+            count = min(left // page_bytes, num_pages - page)
             n = count * page_bytes
-            src = host_bytes(view[:n]).view(pool.dtype).view(count, *page_shape)
+            rows = _as_dtype(src[start:start + n].to(pool.device, non_blocking=True), pool.dtype)
             index = torch.tensor(page_ids[page:page + count], device=pool.device)
-            pool[layer, index, half] = src.to(pool.device, non_blocking=True)
+            pool[layer, index, half] = rows.view(count, *page_shape)
         else:
-            n = min(page_bytes - intra, len(view))
-            write_bytes(pool[layer, page_ids[page], half], intra, view[:n])
-        view = view[n:]
+            n = min(page_bytes - intra, left)
+            write_bytes(pool[layer, page_ids[page], half], intra, src[start:start + n])
+        start += n
         pos += n
+
+
+def _as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 1-D uint8 ``raw`` viewed as ``dtype`` without a copy. torch views a slice so only
+    from an offset that is a multiple of the element size; other slices (a tcp frame's payload
+    sits where its message's prefix ends) are viewed afresh from their first byte."""
+    if raw.storage_offset() % dtype.itemsize:
+        raw = host_bytes(memoryview(raw.numpy()))  # a CPU slice: the device's are fresh copies
+    return raw.view(dtype)
 
 
 class PoolReservation:
@@ -107,15 +126,25 @@ class PoolReservation:
         """The draft's context K/V of the prompt arrives in this worker's draft pool."""
         return self._draft_kv is not None and "dflash_context" in self.header.manifest
 
-    def write(self, field: str, layer: int, offset: int, data: bytes | memoryview) -> None:
+    def write(self, field: str, layer: int, offset: int, data: ChunkBytes) -> None:
         """Land bytes (writer threads, several at once for disjoint ranges); ABORTED once the
-        room was released or admitted."""
+        room was released or admitted. Returns once ``data`` may be reused: from a host
+        tensor (pinned) on a GPU, once the copy stream has read it."""
         with self._writing():
             if self._stream is None:
                 self._write(field, layer, offset, data)
                 return
-            with torch.cuda.stream(self._stream):
-                self._write(field, layer, offset, data)
+            try:
+                with torch.cuda.stream(self._stream):
+                    self._write(field, layer, offset, data)
+            finally:
+                if isinstance(data, torch.Tensor):
+                    # the copies from pinned memory run after this returns; the caller hands
+                    # the buffer to the next frame next. An event waits for this write's
+                    # copies (and those queued before), not for other writers' later ones.
+                    read = torch.cuda.Event()
+                    read.record(self._stream)
+                    read.synchronize()
 
     @contextlib.contextmanager
     def _writing(self):
@@ -131,7 +160,7 @@ class PoolReservation:
                 if not self._writers:
                     self._idle.notify_all()
 
-    def _write(self, field: str, layer: int, offset: int, data: bytes | memoryview) -> None:
+    def _write(self, field: str, layer: int, offset: int, data: ChunkBytes) -> None:
         num_pages = self.header.layout.num_pages(self.header.prompt_len)
         page_ids, slot = self._landing
         if field == "kv":

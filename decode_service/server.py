@@ -1,4 +1,9 @@
-"""The Decode servicer: validates and lands handoffs, streams tokens, aborts, reports load."""
+"""The Decode servicer: validates and lands handoffs, streams tokens, aborts, reports load.
+
+``build_decode_service`` wires the parts: the engine thread, the token streams, and for the
+``tcp`` transport the handoff listener, which owns the host buffers its frames are read into
+(pinned when the pools are on a GPU) and closes them when it closes, after its readers.
+"""
 
 from __future__ import annotations
 
@@ -284,7 +289,10 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
     shutdown = GracefulShutdown("decode worker")
     server, health = make_server([*security.interceptors(), shutdown.interceptor()])
     address = bind(server, host, port, security.credentials())
-    tcp = (TcpHandoffListener(host, handoff_port, security.accepts)
+    # frames are read into pinned buffers where the pools are on a GPU: their copies into
+    # the pools are then truly asynchronous, on each reservation's copy stream
+    tcp = (TcpHandoffListener(host, handoff_port, security.accepts,
+                              pin_memory=llm.kv_pool.kv.device.type == "cuda")
            if takes_tcp_with(transport, security.tls) else None)
     streams = TokenStreams(asyncio.get_running_loop())
     engine = DecodeEngine(llm, streams.post)

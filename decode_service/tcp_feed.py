@@ -3,8 +3,11 @@
 A task on the event loop takes each frame from the :class:`TcpOffer`, reads it as a chunk in
 place (``chunk_codec.decode_chunk``) and hands it to the handoff's :class:`ChunkLandings`, the
 same claim → checksum and copy on a writer thread → record path as chunks from the stream, so
-every validation rule holds unchanged. The handler waits for the trailer's ``tcp_chunks`` with
-:meth:`TcpFeed.wait_for` before it checks the trailer.
+every validation rule holds unchanged. The chunk lands from the frame's host buffer (its
+payload as a slice of the buffer's tensor, pinned on a GPU worker), and the buffer goes back to
+the listener's pool once the chunk has landed; a frame that is dropped instead (refused, or the
+handoff failed) gives its buffer back at once. The handler waits for the trailer's
+``tcp_chunks`` with :meth:`TcpFeed.wait_for` before it checks the trailer.
 
 After a refused chunk the feed keeps taking (and dropping) frames: the sender is mid-payload
 and must not block on a full connection; the refusal is raised at the trailer, as a refusal in
@@ -21,7 +24,7 @@ from common.handoff.chunk_codec import decode_chunk
 from common.handoff.errors import HandoffError
 from common.handoff.parts import ChunkPart
 from decode_service.chunk_landings import ChunkLandings
-from decode_service.tcp_listener import TcpOffer
+from decode_service.tcp_listener import TcpFrame, TcpOffer
 
 
 class TcpFeed:
@@ -51,25 +54,39 @@ class TcpFeed:
                 self.refuse(HandoffError("DATA_LOSS", item))
                 self._changed.set()
                 continue
-            message, release = item
-            release()
+            frame: TcpFrame = item
+            frame.take()  # its connection's reader may read the next frame
             self.active = True
             self.last_frame = time.monotonic()
-            if self.error is None:
+            if self.error is not None:
+                frame.release()  # dropped: the sender is mid-payload, the refusal is kept
+            else:
                 try:
-                    raw = decode_chunk(message)
-                    if raw is None or raw.data_start + len(raw.data) != len(message):
-                        raise HandoffError("INVALID_ARGUMENT",
-                                           "a TCP frame that is not exactly one chunk")
-                    await self._landings.add(ChunkPart(field=raw.field, layer=raw.layer,
-                                                       offset=raw.offset, data=raw.data),
-                                             message, raw)
+                    await self._land(frame)
                 except HandoffError as exc:
                     self.refuse(exc)
                 except Exception as exc:  # noqa: BLE001 - a bug: fail this handoff only
-                    self.refuse(HandoffError("INTERNAL", f"landing a TCP chunk failed: {exc!r}"))
+                    self.refuse(HandoffError("INTERNAL",
+                                             f"landing a TCP chunk failed: {exc!r}"))
             self.taken += 1
             self._changed.set()
+
+    async def _land(self, frame: TcpFrame) -> None:
+        """Start landing ``frame``'s chunk, giving its buffer back exactly once: here when it
+        is not one chunk, from the call to ``add`` on by the landings (after the landing, or
+        when they refuse it), whatever is raised, cancellation included."""
+        try:
+            raw = decode_chunk(frame.data)
+            if raw is None or raw.data_start + len(raw.data) != len(frame.data):
+                raise HandoffError("INVALID_ARGUMENT",
+                                   "a TCP frame that is not exactly one chunk")
+            chunk = ChunkPart(field=raw.field, layer=raw.layer, offset=raw.offset, data=raw.data)
+            # the payload as a slice of the buffer's own tensor: torch knows it is pinned
+            source = frame.host[raw.data_start:raw.data_start + len(raw.data)]
+        except BaseException:
+            frame.release()
+            raise
+        await self._landings.add(chunk, frame.data, raw, source=source, done=frame.release)
 
     async def wait_for(self, count: int, timeout_s: float) -> None:
         """Until ``count`` frames were taken (the trailer's ``tcp_chunks``), then stop taking.

@@ -3,9 +3,18 @@
 Each accepted handoff that takes its bytes over TCP gets a :class:`TcpOffer` (a random ticket
 and an inbox on the event loop) and tells the sender the listener's port and the ticket in
 ``HandoffAccepted``. A thread per connection checks the hello's internal token, then reads
-frames (``common/handoff/tcp_frames.py``): each frame's bytes are read into one ``bytes`` object
-with the GIL released, and put into the inbox of the handoff its ticket names, where the
-handoff's handler lands them like chunks from the stream (``decode_service/tcp_feed.py``).
+frames (``common/handoff/tcp_frames.py``) and puts each, as a :class:`TcpFrame`, into the inbox
+of the handoff its ticket names, where the handoff's handler lands it like a chunk from the
+stream (``decode_service/tcp_feed.py``).
+
+A frame's message is read (``readinto``, the GIL released) straight into a reusable host
+buffer of the listener's :class:`HostBufferPool`: pinned on a worker whose pools are on a GPU,
+so the landing's copy to the device is a true asynchronous one from it, and plain memory on a
+CPU worker, so no frame allocates and page-faults fresh memory. The buffer goes back to the
+pool once the frame's chunk has landed (or the frame was dropped). When the pool has no room
+right now (more frames in flight than it was sized for, or a frame larger than it) the frame
+gets a freshly allocated buffer instead: a reader never waits for buffers, so it can never wait
+on a landing that waits on it.
 
 At most ``max_ahead`` frames of one connection wait in inboxes at a time: a handler that lands
 slowly holds its connection's reader, and TCP's own flow control holds the sender. Frames for
@@ -19,20 +28,66 @@ import logging
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 
+import torch
+
+from common.handoff.host_buffers import (HostBuffer, HostBufferPool, HostBufferPoolClosed,
+                                         HostBufferPoolConfig)
 from common.handoff.tcp_frames import (FRAME_HEADER_BYTES, OK, TICKET_BYTES, FrameError,
                                        parse_frame_header, read_hello)
 
 log = logging.getLogger(__name__)
 
-_READ_BUFFER = 1 << 16  # a frame larger than this is read straight into its own bytes
+_READ_BUFFER = 1 << 16  # a frame larger than this is read straight into its host buffer
 _DROP_PIECE = 1 << 20
+# frames as senders make them (4-16 MiB; tcp_frames.MAX_FRAME_BYTES is the most allowed)
+_TYPICAL_FRAME_BYTES = 16 << 20
+# frames of a connection that hold buffers besides the max_ahead waiting in inboxes: those
+# taken and still landing (ChunkLandings lands up to 4 of a handoff at once)
+_LANDING_FRAMES = 4
+_CLOSE_WAIT_S = 2.0  # how long close waits for reader threads (one polls its room each 0.5 s)
+
+
+class TcpFrame:
+    """One frame's message in host memory, from the reader thread that read it to its landing.
+
+    ``data`` is the message (a writable memoryview of exactly its bytes) and ``host`` the same
+    bytes as a 1-D uint8 CPU tensor (pinned on a GPU worker). ``take`` (when the frame leaves
+    its inbox) lets the connection's reader read ahead again; ``release`` gives the buffer
+    back, and takes the frame if it was not taken: call it once nothing reads the bytes any
+    more. Both are idempotent and may be called on any thread; the bytes must not be read after
+    ``release`` (the next frame is read into them).
+    """
+
+    __slots__ = ("data", "host", "_buffer", "_room", "_lock")
+
+    def __init__(self, host: torch.Tensor, buffer: HostBuffer | None,
+                 room: threading.Semaphore | None) -> None:
+        self.host = host
+        self.data = memoryview(host.numpy())
+        self._buffer = buffer  # None: a fresh allocation, freed with the frame
+        self._room = room
+        self._lock = threading.Lock()
+
+    def take(self) -> None:
+        with self._lock:
+            room, self._room = self._room, None
+        if room is not None:
+            room.release()
+
+    def release(self) -> None:
+        self.take()
+        with self._lock:
+            buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            buffer.release()
 
 
 class TcpOffer:
-    """One handoff's place on the listener. ``inbox`` (event loop) receives
-    ``(message, release)`` for each frame, ``release`` to be called once it is taken, or a
+    """One handoff's place on the listener. ``inbox`` (event loop) receives a
+    :class:`TcpFrame` for each frame, which its taker must ``take`` and ``release``, or a
     ``str`` saying why a connection that carried frames for it broke."""
 
     def __init__(self, listener: TcpHandoffListener, ticket: bytes,
@@ -45,20 +100,18 @@ class TcpOffer:
         self.closed = False
 
     # reader threads
-    def post(self, item, release: Callable[[], None] | None) -> None:
+    def post(self, item: TcpFrame | str) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._deliver, item, release)
+            self._loop.call_soon_threadsafe(self._deliver, item)
         except RuntimeError:  # the loop is closed: the worker is stopping
-            if release is not None:
-                release()
+            _release(item)
 
     # event loop
-    def _deliver(self, item, release) -> None:
+    def _deliver(self, item: TcpFrame | str) -> None:
         if self.closed:
-            if release is not None:
-                release()
+            _release(item)
             return
-        self.inbox.put_nowait(item if release is None else (item, release))
+        self.inbox.put_nowait(item)
 
     def withdraw(self) -> None:
         """No more frames for this handoff: later ones are dropped, queued ones released."""
@@ -67,25 +120,35 @@ class TcpOffer:
         self.closed = True
         self._listener.forget(self.ticket)
         while not self.inbox.empty():
-            item = self.inbox.get_nowait()
-            if isinstance(item, tuple):
-                item[1]()
+            _release(self.inbox.get_nowait())
+
+
+def _release(item: TcpFrame | str) -> None:
+    if isinstance(item, TcpFrame):
+        item.release()
 
 
 class TcpHandoffListener:
-    """A listening socket and its reader threads.
+    """A listening socket, its reader threads and the host buffers they read frames into.
 
     Args:
         host, port: where to listen (port 0: a free one, read back from ``port``).
         accepts: whether a hello's token is let in (``ServerSecurity.accepts``).
         max_ahead: frames of one connection waiting to land at most.
+        pin_memory: page-lock the frames' buffers (a worker whose pools are on a GPU; needs
+            CUDA, else ValueError).
+        buffer_bytes: the pool of reusable frame buffers, allocated once (default: room for
+            one busy connection's frames of 16 MiB, waiting and landing).
     """
 
     def __init__(self, host: str, port: int, accepts: Callable[[str | None], bool],
                  max_ahead: int = 8, max_connections: int = 256,
-                 hello_timeout_s: float = 5.0) -> None:
+                 hello_timeout_s: float = 5.0, *, pin_memory: bool = False,
+                 buffer_bytes: int | None = None) -> None:
         if max_ahead < 1:
             raise ValueError(f"max_ahead must be >= 1, got {max_ahead}")
+        if buffer_bytes is None:
+            buffer_bytes = (max_ahead + _LANDING_FRAMES) * _TYPICAL_FRAME_BYTES
         self._accepts = accepts
         self._max_ahead = max_ahead
         # a connection holds a thread: bound how many, and how long one may stay silent
@@ -95,7 +158,11 @@ class TcpHandoffListener:
         self._lock = threading.Lock()
         self._offers: dict[bytes, TcpOffer] = {}
         self._connections: set[socket.socket] = set()
+        self._readers: set[threading.Thread] = set()
         self._closed = threading.Event()
+        self._pinned = pin_memory
+        self.fresh_buffers = 0  # frames that found the pool full and got a buffer of their own
+        self.buffers = HostBufferPool(HostBufferPoolConfig(buffer_bytes, pin_memory=pin_memory))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -104,6 +171,7 @@ class TcpHandoffListener:
             self._sock.listen(64)
         except OSError:
             self._sock.close()
+            self.buffers.close()
             raise
         self.port = self._sock.getsockname()[1]
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
@@ -122,9 +190,11 @@ class TcpHandoffListener:
             self._offers.pop(ticket, None)
 
     def close(self) -> None:
-        """Stop accepting and end every connection (their reader threads then exit)."""
-        self._closed.set()
+        """Stop accepting, end every connection, wait (a little) for their reader threads to
+        exit, then close the buffer pool. Frames still queued or landing keep their buffers
+        until they are released, as ever."""
         with self._lock:
+            self._closed.set()
             connections = list(self._connections)
         for sock in [self._sock, *connections]:
             try:
@@ -132,6 +202,14 @@ class TcpHandoffListener:
             except OSError:
                 pass
             sock.close()
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        self._acceptor.join(_CLOSE_WAIT_S)
+        with self._lock:
+            readers = list(self._readers)  # final: the acceptor starts no more
+        for reader in readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        # a reader still running finds the pool closed and reads into its own buffer
+        self.buffers.close()
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -140,17 +218,20 @@ class TcpHandoffListener:
             except OSError:
                 return  # closed
             with self._lock:
-                full = len(self._connections) >= self._max_connections
-                if not full:
+                refused = self._closed.is_set() or len(self._connections) >= self._max_connections
+                if not refused:
                     self._connections.add(sock)
-            if full:
-                log.warning("handoff connection from %s refused: %d connections are open",
-                            peer, self._max_connections)
+                    reader = threading.Thread(target=self._serve, args=(sock, peer),
+                                              daemon=True, name="handoff-tcp-reader")
+                    self._readers.add(reader)
+            if refused:
+                if not self._closed.is_set():
+                    log.warning("handoff connection from %s refused: %d connections are open",
+                                peer, self._max_connections)
                 sock.close()
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
-                             name="handoff-tcp-reader").start()
+            reader.start()
 
     def _serve(self, sock: socket.socket, peer) -> None:
         reader = sock.makefile("rb", buffering=_READ_BUFFER)
@@ -180,24 +261,63 @@ class TcpHandoffListener:
                 while not room.acquire(timeout=0.5):
                     if self._closed.is_set():
                         return
-                message = reader.read(nbytes)
-                if len(message) != nbytes:
-                    room.release()
-                    raise FrameError("connection closed inside a frame")
-                offer.post(message, room.release)
-        except (OSError, FrameError, ValueError) as exc:
+                offer.post(self._read_frame(reader, nbytes, room))
+        except (OSError, FrameError, ValueError, RuntimeError, MemoryError) as exc:
+            # RuntimeError, MemoryError: no memory for a frame's fresh buffer
             if not self._closed.is_set():
                 log.warning("handoff connection from %s broke: %s", peer, exc)
                 for ticket in carried:
                     with self._lock:
                         offer = self._offers.get(ticket)
                     if offer is not None:
-                        offer.post(f"the TCP connection carrying its chunks broke: {exc}", None)
+                        offer.post(f"the TCP connection carrying its chunks broke: {exc}")
         finally:
             with self._lock:
                 self._connections.discard(sock)
+                self._readers.discard(threading.current_thread())
             reader.close()
             sock.close()
+
+    def _read_frame(self, reader, nbytes: int, room: threading.Semaphore) -> TcpFrame:
+        """The next ``nbytes`` of the connection in a frame holding ``room`` (acquired); the
+        room and the buffer are given back if the read fails."""
+        try:
+            frame = TcpFrame(*self._buffer(nbytes), room)
+        except BaseException:
+            room.release()
+            raise
+        try:
+            _read_into(reader, frame.data)
+        except BaseException:
+            frame.release()
+            raise
+        return frame
+
+    def _buffer(self, nbytes: int) -> tuple[torch.Tensor, HostBuffer | None]:
+        """A host tensor of ``nbytes`` to read a frame into: a piece of the pool when it has
+        room now, else a fresh allocation (never a wait: see the module's docstring)."""
+        if nbytes <= self.buffers.capacity_bytes:
+            try:
+                buffer = self.buffers.try_acquire(nbytes)
+            except HostBufferPoolClosed:  # the listener is closing
+                buffer = None
+            if buffer is not None:
+                return buffer.tensor, buffer
+        with self._lock:
+            self.fresh_buffers += 1
+        # pinned: torch's caching host allocator keeps the block for the next one after it
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned), None
+
+
+def _read_into(reader, view: memoryview) -> None:
+    """Fill ``view`` from ``reader`` (a BufferedReader: a read this large goes straight into
+    ``view`` past its own buffer); FrameError at an end of stream first."""
+    got, nbytes = 0, len(view)
+    while got < nbytes:
+        n = reader.readinto(view[got:])
+        if not n:
+            raise FrameError("connection closed inside a frame")
+        got += n
 
 
 def _drop(reader, nbytes: int) -> None:

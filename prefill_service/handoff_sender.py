@@ -27,14 +27,14 @@ from common.auth import TOKEN_HEADER
 from common.channels import ChannelSecurity, make_channel
 from common.handoff.tcp_frames import tcp_host
 from common.handoff.transports import takes_tcp_with
+from common.handoff.ledger import fold_checksums, new_ledgers
 from common.handoff.parts import HeaderPart, PoolCopyPart, TrailerPart
 from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc
 from prefill_service.engine import StateReady
 from prefill_service.message_feed import feed_from_thread
 from prefill_service.shared_pools import SharedPools
-from prefill_service.state_reader import (PromptShape, StateReader, fold_checksums,
-                                          new_ledgers)
+from prefill_service.state_reader import PromptShape, StateReader
 from prefill_service.tcp_connections import TcpConnection, TcpConnections, send_chunks
 
 log = logging.getLogger(__name__)
@@ -195,20 +195,23 @@ class HandoffStream:
         states = ready.final_states and not self._states_sent
         self._states_sent = self._states_sent or states
 
+        if self._connections:
+            # frames straight out of the pinned host buffers: no encoding copy
+            await self._send_over_tcp(lambda: self._reader.frames(
+                ready, ranges, states, self._prompt, self._ledgers))
+            return
+
         def produce():
             # in the order the forward writes them (each piece after its own layer's event)
             return self._reader.read(ready, ranges, states, self._prompt, self._ledgers)
 
-        if self._connections:
-            await self._send_over_tcp(produce)
-            return
         async with contextlib.aclosing(feed_from_thread(self._executor, produce)) as messages:
             async for message in messages:
                 self.bytes_sent += len(message)
                 await self._call.write(message)
 
     async def _send_over_tcp(self, produce) -> None:
-        """Read and encode ``produce()``'s chunks on a sender thread and spread them over the
+        """Read ``produce()``'s frames on a sender thread and spread them over the
         connections, whose own threads write them: no chunk passes through the event loop."""
         connections, ticket, stopped = list(self._connections), self._ticket, self._stopped
         loop = asyncio.get_running_loop()

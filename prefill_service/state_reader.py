@@ -13,6 +13,14 @@ gathered from every rank (``StateReady.gathered``: the pages from ``gathered_fro
 GDN state in the final report): it is read from that instead of the pools, which hold only this
 rank's heads. The draft's pool is whole on rank 0 and is read as before.
 
+Two outputs: ``read`` yields encoded chunk messages of at most ``chunk_bytes`` (the gRPC stream
+takes ``bytes``); ``frames`` yields each run of bytes as one ``Frame`` whose payload is a view of
+the pinned host buffer itself, checksummed in place, for the ``tcp`` transport to write with no
+copy; the buffer goes back once every frame over it is written. On a GPU consecutive pieces
+are copied as one batch of up to ``piece_bytes`` (one wait, one event, one buffer): every wait,
+event and buffer is a round of GIL hand-offs with the engine thread, whose prefill is bound by
+the host launching kernels.
+
 Payload layouts (``common/handoff/manifest.py``): ``kv`` and ``dflash_context`` are
 ``[L, 2, pages, page, kv_heads, head_dim]`` (K of every page, then V), so pages ``[a, b)`` of
 one layer are two byte ranges: ``[a, b)`` and ``[N + a, N + b)`` pages in, ``N`` being the
@@ -22,16 +30,22 @@ prompt's page count.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from common.handoff.checksum import crc32c
+from common.handoff.chunk_codec import chunk_prefix, encode_chunk
 from common.handoff.host_buffers import HostBuffer, HostBufferPool, HostBufferPoolConfig
 from common.handoff.ledger import LayerLedger, message_payload_crc
-from common.handoff.manifest import FieldSpec
-from common.handoff.chunk_codec import encode_chunk
+from common.handoff.tcp_frames import MAX_FRAME_BYTES
 from prefill_service.engine import StateReady
+from prefill_service.tcp_connections import Frame
+
+# a frame's payload, leaving room for the chunk's prefix under the frame limit
+FRAME_PAYLOAD_BYTES = MAX_FRAME_BYTES - 64
 
 
 @dataclass(frozen=True)
@@ -71,8 +85,9 @@ class StateReader:
         on_gpu = kv.device.type == "cuda"
         self._stream = torch.cuda.Stream(kv.device) if on_gpu else None
         if on_gpu and host_buffers is None:
-            # two pieces in flight per reader thread, and two reader threads
-            host_buffers = HostBufferPool(HostBufferPoolConfig(4 * piece_bytes, pin_memory=True))
+            # per reader thread two batches being copied and a few queued as frames on a
+            # connection; two reader threads. Short of room, torch's pinned allocator serves.
+            host_buffers = HostBufferPool(HostBufferPoolConfig(8 * piece_bytes, pin_memory=True))
         self.host_buffers = host_buffers if on_gpu else None
 
     def read(self, ready: StateReady, page_ranges: list[tuple[str, int, int]], states: bool,
@@ -84,13 +99,41 @@ class StateReader:
         forward) last. So within a prompt's last chunk each GDN layer's state goes while the
         later layers run, instead of after the last attention layer's KV, and only the last
         layer's data is left when the forward ends."""
+        for piece, host, _ in self._to_host(self._pieces(ready, page_ranges, states, prompt),
+                                            ready):
+            for offset, data in self._byte_runs(piece, host, prompt):
+                yield from encode_layer(piece.field, piece.layer, offset, data, ledgers,
+                                        self.chunk_bytes)
+
+    def frames(self, ready: StateReady, page_ranges: list[tuple[str, int, int]], states: bool,
+               prompt: PromptShape,
+               ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[Frame]:
+        """The same bytes as ``read``, in the same order, as frames: each run of a piece's
+        bytes (a GDN layer's state; the K or the V of a run of pages) is one chunk of up to
+        ``FRAME_PAYLOAD_BYTES``, its payload a view of the host buffer (no copy), its CRC-32C
+        computed in place. The caller must ``done()`` every frame it takes (the TCP writer
+        does, written or dropped): the buffer goes back to the pool after the last."""
+        for piece, host, lease in self._to_host(self._pieces(ready, page_ranges, states, prompt),
+                                                ready):
+            for offset, data in self._byte_runs(piece, host, prompt):
+                ledger = ledgers[(piece.field, piece.layer)]
+                where = f"{piece.field} layer {piece.layer}"
+                for start in range(0, len(data), FRAME_PAYLOAD_BYTES):
+                    payload = data[start:start + FRAME_PAYLOAD_BYTES]
+                    at = offset + start
+                    ledger.claim(at, len(payload), where)
+                    ledger.record(at, crc32c(payload))  # GIL released over the pinned bytes
+                    prefix = chunk_prefix(piece.field, piece.layer, at, len(payload))
+                    yield Frame((prefix, payload), lease.hold())
+
+    def _pieces(self, ready: StateReady, page_ranges: list[tuple[str, int, int]], states: bool,
+                prompt: PromptShape) -> list[_Piece]:
         pieces = [p for name, start, end in page_ranges
                   for p in self._page_pieces(ready, name, start, end, prompt)]
         if states:
             pieces += self._state_pieces(ready)
         pieces.sort(key=self._written_at)  # stable: a layer's pieces keep their order
-        for piece, host in self._to_host(pieces, ready):
-            yield from self._encode(piece, host, prompt, ledgers)
+        return pieces
 
     def _written_at(self, piece: _Piece) -> float:
         index = (None if self.model_layers is None
@@ -115,15 +158,16 @@ class StateReader:
         if pool is not None:
             page_bytes = pool[0, 0, 0].numel() * pool.element_size()
             per_piece = max(1, self.piece_bytes // (2 * page_bytes))
+            index = _PageIndex(ids, pool.device, self._stream)  # made once, for every layer
             for layer in range(pool.shape[0]):
                 wait = self._layer_wait(ready, name, layer)
                 for a in range(0, len(ids), per_piece):
-                    piece_ids = ids[a:a + per_piece]
-                    piece_tail = tail if a + len(piece_ids) == len(ids) else 0
+                    count = min(per_piece, len(ids) - a)
+                    piece_tail = tail if a + count == len(ids) else 0
                     pieces.append(_Piece(
-                        name, layer, wait, (start + a, page_bytes),
-                        lambda pool=pool, layer=layer, piece_ids=piece_ids, t=piece_tail:
-                            _gather(pool, layer, piece_ids, t)))
+                        name, layer, wait, (start + a, page_bytes), 2 * count * page_bytes,
+                        lambda pool=pool, layer=layer, a=a, count=count, t=piece_tail:
+                            _gather(pool, layer, index.get()[a:a + count], t)))
         return pieces
 
     def _state_pieces(self, ready: StateReady) -> list[_Piece]:
@@ -131,22 +175,21 @@ class StateReader:
         if ready.gathered is not None:
             conv, ssm, slot = ready.gathered.conv, ready.gathered.ssm, 0
         return [_Piece(name, layer, self._layer_wait(ready, name, layer), None,
+                       pool[0, 0].numel() * pool.element_size(),
                        lambda pool=pool, layer=layer: pool[layer, slot])
                 for name, pool in (("conv_state", conv), ("ssm_state", ssm))
                 for layer in range(pool.shape[0])]
 
-    def _encode(self, piece: _Piece, host, prompt: PromptShape,
-                ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
+    @staticmethod
+    def _byte_runs(piece: _Piece, host, prompt: PromptShape) -> Iterator[tuple[int, memoryview]]:
+        """``(offset in its layer, bytes)`` of each contiguous run of the piece's bytes."""
         if piece.where is None:  # a layer of a GDN state: its bytes from offset 0
-            yield from encode_layer(piece.field, piece.layer, 0, memoryview(host.reshape(-1)),
-                                    ledgers, self.chunk_bytes)
+            yield 0, memoryview(host.reshape(-1))
             return
         first, page_bytes = piece.where  # pages: K's bytes, then V's, of this run of pages
         halves = host.reshape(2, -1)
         for half in (0, 1):
-            offset = (half * prompt.num_pages + first) * page_bytes
-            yield from encode_layer(piece.field, piece.layer, offset,
-                                    memoryview(halves[half]), ledgers, self.chunk_bytes)
+            yield (half * prompt.num_pages + first) * page_bytes, memoryview(halves[half])
 
     def _layer_wait(self, ready: StateReady, field: str, layer: int) -> Callable[[], object]:
         """What a read of ``layer`` of ``field`` waits for, as a call that returns the event
@@ -162,60 +205,82 @@ class StateReader:
         return lambda: progress.wait(index)
 
     def _to_host(self, pieces: list[_Piece], ready: StateReady):
-        """``(piece, uint8 ndarray of its bytes)`` in order. On a GPU the copy of the next
-        piece runs while the caller encodes this one; a buffer goes back to the pool once the
-        caller has encoded it (the chunks are copies)."""
+        """``(piece, uint8 ndarray of its bytes, lease of its buffer)`` in order. On a GPU the
+        copy of the next batch runs while the caller takes this one; a batch's buffer goes back
+        to the pool once the caller is past its pieces and every frame that holds it is done."""
         if self._stream is None:
             for piece in pieces:
                 piece.wait()  # the CPU: the layer has run once it is queued
-                yield piece, _host_bytes(piece.gather().contiguous())
+                yield piece, _host_bytes(piece.gather().contiguous()), _Lease(None)
             return
+        batches = self._batches(pieces)
         in_flight: collections.deque = collections.deque()
         current = None
         try:
-            for i, piece in enumerate(pieces):
-                in_flight.append(self._start_copy(piece))
-                if len(in_flight) < 2 and i + 1 < len(pieces):
-                    continue  # keep one copy running ahead of the one being encoded
+            for i, batch in enumerate(batches):
+                in_flight.append(self._start_copy(batch))
+                if len(in_flight) < 2 and i + 1 < len(batches):
+                    continue  # keep one copy running ahead of the one being taken
                 current = in_flight.popleft()
-                yield self._finish_copy(current)
-                current.release()
+                yield from self._finish_copy(current)
+                current.lease.drop()
                 current = None
             while in_flight:
                 current = in_flight.popleft()
-                yield self._finish_copy(current)
-                current.release()
+                yield from self._finish_copy(current)
+                current.lease.drop()
                 current = None
         finally:  # the caller stopped early: let the copies land, then give the buffers back
             for copy in ([current] if current is not None else []) + list(in_flight):
                 copy.done.synchronize()
-                copy.release()
+                copy.lease.drop()
 
-    def _start_copy(self, piece: _Piece) -> _Copy:
-        event = piece.wait()  # blocks until the layer is queued
+    def _batches(self, pieces: list[_Piece]) -> list[list[_Piece]]:
+        """Consecutive pieces of up to ``piece_bytes`` together (a piece larger alone)."""
+        batches: list[list[_Piece]] = []
+        size = 0
+        for piece in pieces:
+            if batches and size + piece.nbytes <= self.piece_bytes:
+                batches[-1].append(piece)
+                size += piece.nbytes
+            else:
+                batches.append([piece])
+                size = piece.nbytes
+        return batches
+
+    def _start_copy(self, batch: list[_Piece]) -> _Copy:
+        # blocks until each layer is queued; pieces are in write order, so the batch's
+        # events are those of its last layers
+        events = list(dict.fromkeys(e for e in (p.wait() for p in batch) if e is not None))
+        nbytes = sum(p.nbytes for p in batch)
         with torch.cuda.stream(self._stream):
-            if event is not None:
+            for event in events:
                 self._stream.wait_event(event)
-            device = piece.gather().contiguous()
-            nbytes = device.numel() * device.element_size()
             # never waits: when the pool is short (another reader holds it), torch's caching
             # pinned allocator serves instead
             buffer = (self.host_buffers.try_acquire(nbytes)
                       if nbytes <= self.host_buffers.capacity_bytes else None)
             host = (buffer.tensor if buffer is not None
                     else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
-            host.copy_(device.reshape(-1).view(torch.uint8), non_blocking=True)
+            devices, pos = [], 0
+            for piece in batch:
+                device = piece.gather().contiguous()
+                host[pos:pos + piece.nbytes].copy_(device.reshape(-1).view(torch.uint8),
+                                                   non_blocking=True)
+                devices.append(device)
+                pos += piece.nbytes
             done = torch.cuda.Event()
             done.record(self._stream)
-        return _Copy(piece, device, host, buffer, done)
+        return _Copy(batch, devices, host, _Lease(buffer), done)
 
     @staticmethod
     def _finish_copy(copy: _Copy):
         copy.done.synchronize()
-        try:
-            return copy.piece, copy.host.numpy()
-        finally:
-            copy.device = None  # the copy is done: the device memory may be reused
+        copy.devices = []  # the copy is done: the device memory may be reused
+        flat, pos = copy.host.numpy(), 0
+        for piece in copy.batch:
+            yield piece, flat[pos:pos + piece.nbytes], copy.lease
+            pos += piece.nbytes
 
     def close(self) -> None:
         if self.host_buffers is not None:
@@ -245,54 +310,72 @@ class _Piece:
     layer: int
     wait: Callable[[], object]  # blocks until it may be read; its event (GPU) or None
     where: tuple[int, int] | None  # (first page, page bytes) of a run of pages; None: a state
+    nbytes: int
     gather: Callable[[], torch.Tensor]
+
+
+class _PageIndex:
+    """A run of page ids as a device index tensor, made on first use on the reader's stream
+    (from pinned memory, so making it never waits for the engine's stream)."""
+
+    def __init__(self, ids: list[int], device: torch.device, stream) -> None:
+        self._ids, self._device, self._stream = ids, device, stream
+        self._tensor: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self._tensor is None:
+            host = torch.tensor(self._ids, dtype=torch.int64)
+            if self._stream is not None:
+                host = host.pin_memory()
+            self._tensor = host.to(self._device, non_blocking=True)
+        return self._tensor
+
+
+class _Lease:
+    """Who still needs one batch's host buffer: the reader while it yields the batch, and
+    each frame whose payload is a view of it. The buffer goes back when the last lets go."""
+
+    def __init__(self, buffer: HostBuffer | None) -> None:
+        self._buffer = buffer
+        self._holders = 1  # the reader
+        self._lock = threading.Lock()
+
+    def hold(self) -> Callable[[], None]:
+        """Another holder; call what this returns once (a frame's ``release``)."""
+        with self._lock:
+            self._holders += 1
+        return self.drop
+
+    def drop(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = self._holders == 0
+        if last and self._buffer is not None:
+            self._buffer.release()
+            self._buffer = None
 
 
 @dataclass
 class _Copy:
-    piece: _Piece
-    device: torch.Tensor | None
+    batch: list[_Piece]
+    devices: list[torch.Tensor]
     host: torch.Tensor
-    buffer: HostBuffer | None
-    done: torch.cuda.Event
-
-    def release(self) -> None:
-        if self.buffer is not None:
-            self.buffer.release()
-            self.buffer = None
+    lease: _Lease
+    done: torch.cuda.Event = field(repr=False)
 
 
 def _host_bytes(tensor: torch.Tensor):
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-def _gather(pool: torch.Tensor, layer: int, page_ids: list[int], tail: int) -> torch.Tensor:
-    """Pages ``page_ids`` of one layer of ``[L, pool_pages, 2, page, ...]`` as
-    ``[2, n, page, ...]``; the last ``tail`` token rows of the last page (stale bytes of an
-    earlier owner) zeroed."""
-    index = torch.tensor(page_ids, device=pool.device)
-    out = pool[layer, index].transpose(0, 1).contiguous()
+def _gather(pool: torch.Tensor, layer: int, index: torch.Tensor, tail: int) -> torch.Tensor:
+    """Pages ``index`` (a device tensor of page ids) of one layer of
+    ``[L, pool_pages, 2, page, ...]`` as ``[2, n, page, ...]``; the last ``tail`` token rows of
+    the last page (stale bytes of an earlier owner) zeroed."""
+    out = pool[layer].index_select(0, index).transpose(0, 1).contiguous()
     if tail:
         out[:, -1, out.shape[2] - tail:] = 0
     return out
-
-
-def new_ledgers(manifest: dict[str, FieldSpec]) -> dict[tuple[str, int], LayerLedger]:
-    """An empty checksum ledger for every layer of every field of ``manifest``."""
-    return {(name, layer): LayerLedger(spec.layer_nbytes)
-            for name, spec in manifest.items() for layer in range(spec.num_layers)}
-
-
-def fold_checksums(manifest: dict[str, FieldSpec],
-                   ledgers: dict[tuple[str, int], LayerLedger]) -> dict[str, int]:
-    """The trailer's CRC of each field, from what was encoded (raises if bytes are missing)."""
-    checksums = {}
-    for name, spec in manifest.items():
-        crc = 0
-        for layer in range(spec.num_layers):
-            crc = ledgers[(name, layer)].fold(crc, f"{name} layer {layer}")
-        checksums[name] = crc
-    return checksums
 
 
 def encode_layer(name: str, layer: int, offset: int, data: memoryview,

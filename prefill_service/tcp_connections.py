@@ -7,7 +7,9 @@ by the connection's own thread, and gives the connections back after its last ch
 the cluster's internal token and kept for the next handoff; one that failed is closed.
 
 Sending runs on blocking sockets: ``sendmsg`` releases the GIL while the kernel copies, so the
-event loop and the engine thread run meanwhile.
+event loop and the engine thread run meanwhile. A frame is written from its parts as they lie
+(``Frame``: the chunk's encoded prefix, then a view of its payload in the sender's pinned host
+buffer), in one ``sendmsg``; the buffer goes back once the kernel has taken its bytes.
 """
 
 from __future__ import annotations
@@ -16,9 +18,34 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from common.handoff.tcp_frames import OK, frame_header, hello
+
+
+@dataclass(eq=False)
+class Frame:
+    """One chunk message to write, as the buffers it is made of (written in order, never
+    joined), and what to call once it is written or dropped (``release``: gives a payload's
+    host buffer back; called exactly once)."""
+
+    parts: tuple
+    release: Callable[[], None] | None = None
+
+    @classmethod
+    def of(cls, message: bytes) -> Frame:
+        """A frame of one encoded message."""
+        return cls((message,))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(part).nbytes for part in self.parts)
+
+    def done(self) -> None:
+        release, self.release = self.release, None
+        if release is not None:
+            release()
 
 
 class TcpConnection:
@@ -37,16 +64,18 @@ class TcpConnection:
         threading.Thread(target=self._write_loop, daemon=True,
                          name="handoff-tcp-writer").start()
 
-    def submit(self, ticket: bytes, message: bytes) -> None:
-        """Queue one frame for the writer thread (blocks while ``max_queued`` wait). Raises
-        the OSError of an earlier write that failed."""
+    def submit(self, ticket: bytes, frame: Frame | bytes) -> None:
+        """Queue one frame (or one encoded message) for the writer thread (blocks while
+        ``max_queued`` wait). Raises the OSError of an earlier write that failed; the frame is
+        released then, as every frame that is dropped."""
+        if not isinstance(frame, Frame):
+            frame = Frame.of(frame)
         while True:
-            if self._error is not None:
-                raise self._error
-            if self._closed.is_set():
-                raise ConnectionAbortedError("the connection is closed")
+            if self._error is not None or self._closed.is_set():
+                frame.done()
+                raise self._error or ConnectionAbortedError("the connection is closed")
             try:
-                self._queue.put((ticket, message), timeout=0.5)
+                self._queue.put((ticket, frame), timeout=0.5)
                 return
             except queue.Full:
                 continue
@@ -61,35 +90,39 @@ class TcpConnection:
     def _write_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                ticket, message = self._queue.get(timeout=0.5)
+                ticket, frame = self._queue.get(timeout=0.5)
             except queue.Empty:
                 continue
             try:
                 if self._error is None:
-                    self._send(ticket, message)
+                    self._send(ticket, frame)
             except OSError as exc:
                 self._error = exc  # later frames are dropped; submit and flush raise it
             finally:
+                frame.done()
                 self._queue.task_done()
         while True:  # closed: what is still queued is never written
             try:
-                self._queue.get_nowait()
+                _, frame = self._queue.get_nowait()
             except queue.Empty:
                 return
+            frame.done()
             self._error = self._error or ConnectionAbortedError("the connection is closed")
             self._queue.task_done()
 
-    def _send(self, ticket: bytes, message: bytes) -> None:
-        """Write one frame: the header, then ``message`` (an encoded chunk). Marks the
-        connection broken and raises OSError when the write fails."""
-        head = frame_header(ticket, len(message))
+    def _send(self, ticket: bytes, frame: Frame) -> None:
+        """Write one frame: the header, then its parts, in as few ``sendmsg`` calls as the
+        kernel allows. Marks the connection broken and raises OSError when a write fails."""
+        views = [memoryview(frame_header(ticket, frame.nbytes))]
+        views += [memoryview(part).cast("B") for part in frame.parts]
         try:
-            sent = self._sock.sendmsg([head, message])
-            if sent < len(head):
-                self._sock.sendall(head[sent:])
-                sent = len(head)
-            if sent - len(head) < len(message):
-                self._sock.sendall(memoryview(message)[sent - len(head):])
+            while views:
+                sent = self._sock.sendmsg(views)
+                while views and sent >= views[0].nbytes:  # drop what went, keep the rest
+                    sent -= views[0].nbytes
+                    views.pop(0)
+                if views and sent:
+                    views[0] = views[0][sent:]
         except OSError:
             self.broken = True
             raise
@@ -121,20 +154,29 @@ class TcpConnection:
         self._sock.close()
 
 
-def send_chunks(connections: list[TcpConnection], ticket: bytes, messages: Iterable[bytes],
+def send_chunks(connections: list[TcpConnection], ticket: bytes,
+                messages: Iterable[Frame | bytes],
                 stopped: threading.Event | None = None) -> tuple[int, int]:
-    """Write ``messages`` (encoded chunks of the handoff ``ticket``) as frames spread over
+    """Write ``messages`` (frames, or encoded chunks, of the handoff ``ticket``) spread over
     ``connections``, and wait until every one is written, so that the trailer may follow.
     Blocking: call it on a sender thread. Returns ``(bytes, frames)``; stops with
     ConnectionAbortedError at the next chunk once ``stopped`` is set (the handoff ended), and
-    raises the OSError of a write that failed."""
+    raises the OSError of a write that failed. Every frame taken is released, sent or not."""
     sent = frames = 0
-    for message in messages:
-        if stopped is not None and stopped.is_set():
-            raise ConnectionAbortedError("the handoff ended")
-        connections[frames % len(connections)].submit(ticket, message)
-        sent += len(message)
-        frames += 1
+    try:
+        for message in messages:
+            frame = message if isinstance(message, Frame) else Frame.of(message)
+            if stopped is not None and stopped.is_set():
+                frame.done()
+                raise ConnectionAbortedError("the handoff ended")
+            nbytes = frame.nbytes
+            connections[frames % len(connections)].submit(ticket, frame)
+            sent += nbytes
+            frames += 1
+    finally:
+        close = getattr(messages, "close", None)
+        if close is not None:  # a generator of frames: it gives back what it still holds
+            close()
     for connection in connections:
         connection.flush()
     return sent, frames

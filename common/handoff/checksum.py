@@ -1,8 +1,11 @@
 """CRC-32C of handoff bytes, and folding per-chunk CRCs of any reflected 32-bit CRC.
 
-``crc32c`` runs Google's crc32c library through the ``google-crc32c`` package: with its C
-extension it uses the CPU's CRC32 instructions (SSE4.2 on x86-64, the CRC extension on Arm),
-several times faster than ``zlib.crc32`` (docs/protocol.md, "Transport rates", has the figures).
+``crc32c`` runs the ``crc32c`` package (ICRAR's C extension): it uses the CPU's CRC32
+instructions (SSE4.2 on x86-64, the CRC extension on Arm; a C slicing-by-8 table elsewhere),
+reads any C-contiguous buffer in place, and releases the GIL while it reads one of more than
+32 KiB. So a sender or landing thread checksums pinned host memory or a received buffer
+directly, and the engine thread and the event loop run meanwhile. (``google-crc32c``, used
+before, releases the GIL for ``bytes`` only, which cost every chunk a copy into ``bytes``.)
 
 ``crc32c_combine`` gives the CRC of a concatenation from the CRCs of its parts, so a receiver
 that gets chunks in any order keeps one CRC per chunk and folds them at the trailer without
@@ -10,9 +13,8 @@ reading its destination back. ``Crc32Polynomial`` is that fold for any reflected
 ``CRC32C`` (Castagnoli, 0x82F63B78) and ``CRC32`` (zlib's, 0xEDB88320, equal to
 ``common.handoff.ledger.crc32_combine``).
 
-If the C extension is missing, ``google_crc32c`` falls back to pure Python (about 1000x slower:
-minutes for one long prompt's state). ``crc32c`` then raises ``Crc32cUnavailableError`` rather
-than stall a handoff; ``fast_crc32c_available()`` tells a worker at start-up.
+If the extension cannot be imported, ``crc32c`` raises ``Crc32cUnavailableError``;
+``fast_crc32c_available()`` tells a worker at start-up.
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ import numpy as np
 import torch
 
 try:
-    # The C extension, imported directly: google_crc32c.extend may be the pure-Python fallback.
-    from google_crc32c import cext as _cext
+    import crc32c as _crc32c
 except ImportError:
-    _cext = None
+    _crc32c = None
 
 _MASK = 0xFFFFFFFF
 # Lengths up to 2**61 bytes: x^(8 * len) needs x^(2^k) for k < 64.
@@ -34,24 +35,21 @@ _X2N_ENTRIES = 64
 
 
 class Crc32cUnavailableError(RuntimeError):
-    """google-crc32c's C extension could not be imported (its pure-Python fallback is too slow
-    to checksum a handoff)."""
+    """The ``crc32c`` package's C extension could not be imported."""
 
 
 def fast_crc32c_available() -> bool:
-    """Whether ``crc32c`` can run (google-crc32c's C extension imported)."""
-    return _cext is not None
+    """Whether ``crc32c`` can run (the ``crc32c`` package imported)."""
+    return _crc32c is not None
 
 
-def _contiguous_bytes(data) -> bytes | np.ndarray:
-    """A read-only-buffer view of ``data``'s bytes that google-crc32c accepts, without copying.
+def hardware_crc32c() -> bool:
+    """Whether the checksum runs on the CPU's CRC instructions (else a C table, ~1 GB/s)."""
+    return _crc32c is not None and bool(_crc32c.hardware_based)
 
-    Its C functions take bytes and objects whose buffer needs no release (numpy arrays, not
-    bytearray or memoryview), so other buffers are wrapped in a uint8 ndarray over the same
-    memory.
-    """
-    if isinstance(data, bytes):
-        return data  # the only type for which google-crc32c releases the GIL (>= 1 MiB)
+
+def _contiguous_bytes(data):
+    """``data``'s bytes as a buffer the extension reads in place (no copy)."""
     if isinstance(data, torch.Tensor):
         if data.device.type != "cpu":
             raise ValueError(f"crc32c needs host memory, got a tensor on {data.device}")
@@ -62,16 +60,14 @@ def _contiguous_bytes(data) -> bytes | np.ndarray:
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             raise ValueError("crc32c needs a C-contiguous array (its bytes in memory order)")
-        return data.reshape(-1).view(np.uint8)
+        return data
     try:
         view = memoryview(data)
     except TypeError:
         raise TypeError(f"crc32c needs a bytes-like object, got {type(data).__name__}") from None
     if not view.c_contiguous:
         raise ValueError("crc32c needs a C-contiguous buffer (its bytes in memory order)")
-    if view.nbytes == 0:
-        return b""  # np.frombuffer refuses an empty buffer
-    return np.frombuffer(view.cast("B"), dtype=np.uint8)
+    return view
 
 
 def crc32c(data, value: int = 0) -> int:
@@ -79,18 +75,17 @@ def crc32c(data, value: int = 0) -> int:
     it), like ``zlib.crc32(data, value)``: ``crc32c(b, crc32c(a)) == crc32c(a + b)``.
 
     ``data``: bytes, bytearray, memoryview, a C-contiguous numpy array or CPU torch tensor (its
-    bytes), read in place. Raises ValueError for non-contiguous data, TypeError for non-buffers,
-    ``Crc32cUnavailableError`` when google-crc32c has no C extension. The GIL is released only
-    for ``bytes`` of 1 MiB or more (google-crc32c's rule): checksum the bytes handed to gRPC
-    when other threads must run meanwhile.
+    bytes), read in place, with the GIL released for more than 32 KiB. Raises ValueError for
+    non-contiguous data, TypeError for non-buffers, ``Crc32cUnavailableError`` when the
+    ``crc32c`` package is missing.
     """
-    if _cext is None:
+    if _crc32c is None:
         raise Crc32cUnavailableError(
-            "google-crc32c's C extension is not importable (google_crc32c.implementation is "
-            "not 'c'); reinstall google-crc32c from a binary wheel for this platform")
+            "the crc32c package's C extension is not importable; install crc32c from a binary "
+            "wheel for this platform (pip install crc32c)")
     if not 0 <= value <= _MASK:
         raise ValueError(f"value must be a CRC-32 in [0, 2**32), got {value}")
-    return _cext.extend(value, _contiguous_bytes(data))
+    return _crc32c.crc32c(_contiguous_bytes(data), value)
 
 
 def _multiply(poly: int, a: int, b: int) -> int:
@@ -169,7 +164,7 @@ def _check_crcs(**crcs: int) -> None:
             raise ValueError(f"{name} must be a CRC-32 in [0, 2**32), got {crc}")
 
 
-CRC32C = Crc32Polynomial(0x82F63B78)  # Castagnoli: iSCSI, ext4, google-crc32c
+CRC32C = Crc32Polynomial(0x82F63B78)  # Castagnoli: iSCSI, ext4
 CRC32 = Crc32Polynomial(0xEDB88320)   # zlib, gzip, PNG
 
 
@@ -179,10 +174,7 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 def crc32c_strip_prefix(crc_whole: int, crc_prefix: int, len_rest: int) -> int:
-    """``crc32c(b)`` from ``crc32c(a + b)``, ``crc32c(a)`` and ``len(b)``. A received message is
-    one ``bytes`` object, which ``crc32c`` reads with the GIL released (the payload inside it,
-    a memoryview, is read with the GIL held): checksum the whole message, e.g. on a worker
-    thread, and strip the few bytes of its prefix."""
+    """``crc32c(b)`` from ``crc32c(a + b)``, ``crc32c(a)`` and ``len(b)``."""
     return CRC32C.strip_prefix(crc_whole, crc_prefix, len_rest)
 
 

@@ -3,7 +3,9 @@
 Device-to-host copies are asynchronous only into page-locked memory, and page-locking is slow
 (cudaHostAlloc takes milliseconds per call and serialises with the GPU), so the pool pins one
 region once, at construction, and hands out pieces of it. The engine thread acquires a piece
-and starts a copy into it; a sender thread releases it once its bytes are on the wire.
+and starts a copy into it; a sender thread releases it once its bytes are on the wire. On a
+decode worker the ``tcp`` listener's reader threads read frames into one, and a frame's buffer
+is released once its chunk has landed (``decode_service/tcp_listener.py``).
 
 Exhaustion: ``acquire`` waits (in arrival order) until enough bytes are released, which paces
 a producer to the network while total memory stays bounded, and raises ``HostBufferExhausted``

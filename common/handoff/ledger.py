@@ -7,9 +7,8 @@ offset) order with ``crc32c_combine``. The result equals ``crc32c`` over the fie
 order, which is what the sender computed, and the receiver never reads its destination memory
 back (it may be on the GPU).
 
-``message_payload_crc`` is how both ends checksum a chunk: over the encoded message, whose
-``bytes`` google-crc32c reads with the GIL released, then the message's few prefix bytes
-stripped. A worker thread checksumming 4 MiB thus leaves the event loop free.
+``message_payload_crc`` is how both ends checksum a chunk inside an encoded message: over its
+payload, read in place with the GIL released (``common/handoff/checksum.py``).
 """
 
 from __future__ import annotations
@@ -17,18 +16,17 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from common.handoff.checksum import crc32c, crc32c_combine, crc32c_strip_prefix
+from common.handoff.checksum import crc32c, crc32c_combine
 from common.handoff.errors import HandoffError
+from common.handoff.manifest import FieldSpec
 
 
 def message_payload_crc(message: bytes, payload_start: int) -> int:
-    """``crc32c(message[payload_start:])``, computed over the whole ``message`` (GIL released
-    for ``bytes`` of 1 MiB and more) and the prefix stripped."""
+    """``crc32c(message[payload_start:])``, read in place."""
     if not 0 <= payload_start <= len(message):
         raise ValueError(f"payload_start {payload_start} is outside a message of "
                          f"{len(message)} bytes")
-    prefix = memoryview(message)[:payload_start]
-    return crc32c_strip_prefix(crc32c(message), crc32c(prefix), len(message) - payload_start)
+    return crc32c(memoryview(message)[payload_start:])
 
 
 @dataclass
@@ -77,3 +75,21 @@ class LayerLedger:
             raise HandoffError("DATA_LOSS", f"{where}: bytes missing from offset {pos} "
                                f"({self.nbytes} expected)")
         return crc
+
+
+def new_ledgers(manifest: dict[str, FieldSpec]) -> dict[tuple[str, int], LayerLedger]:
+    """An empty checksum ledger for every layer of every field of ``manifest``."""
+    return {(name, layer): LayerLedger(spec.layer_nbytes)
+            for name, spec in manifest.items() for layer in range(spec.num_layers)}
+
+
+def fold_checksums(manifest: dict[str, FieldSpec],
+                   ledgers: dict[tuple[str, int], LayerLedger]) -> dict[str, int]:
+    """The trailer's CRC of each field, from what was encoded (raises if bytes are missing)."""
+    checksums = {}
+    for name, spec in manifest.items():
+        crc = 0
+        for layer in range(spec.num_layers):
+            crc = ledgers[(name, layer)].fold(crc, f"{name} layer {layer}")
+        checksums[name] = crc
+    return checksums

@@ -7,12 +7,15 @@ header goes out before the prompt is prefilled, so the first token travels in th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.manifest import FieldSpec
 from common.logprobs import TokenLogprobs
 from common.request_spec import RequestSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -39,12 +42,14 @@ class HeaderPart:
 
 @dataclass(frozen=True)
 class ChunkPart:
-    """Bytes ``[offset, offset + len(data))`` of index ``layer`` along dim 0 of ``field``."""
+    """Bytes ``[offset, offset + len(data))`` of index ``layer`` along dim 0 of ``field``.
+    ``data``: ``bytes``, a memoryview into a received message, or (landing a TCP frame) a 1-D
+    uint8 CPU tensor over the frame's host buffer."""
 
     field: str
     layer: int
     offset: int
-    data: bytes
+    data: bytes | memoryview | torch.Tensor
 
 
 @dataclass(frozen=True)

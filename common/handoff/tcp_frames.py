@@ -4,9 +4,9 @@ gRPC's Python layer copies every received message three times and tops out near 
 stream (docs/protocol.md, "Transport rates"), under the rate the handoff must reach. So the
 bulk bytes may travel on a plain TCP connection beside the ``Decode.Handoff`` call, which keeps
 everything else: header, acceptance, trailer, checksums, acknowledgement and every refusal. The
-receiver reads each frame's bytes straight into one ``bytes`` object (``BufferedReader.read``
-of a frame larger than its buffer reads into the result in place) and lands it exactly as it
-lands a chunk that came on the stream.
+sender writes each frame from its parts where they lie (the chunk's prefix, then a view of its
+pinned host buffer); the receiver reads each frame straight into a reusable host buffer
+(``readinto``) and lands it exactly as it lands a chunk that came on the stream.
 
 A connection (opened by the sender, reused for handoff after handoff):
 

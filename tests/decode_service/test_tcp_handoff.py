@@ -1,11 +1,13 @@
 """Handoffs whose chunks come over TCP beside the stream: admitted, refused with the stream's
-statuses, and never leaking room, against a real decode service in this process."""
+statuses, and never leaking room or the listener's frame buffers, against a real decode service
+in this process."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
 import socket
+import threading
 
 import grpc
 import pytest
@@ -16,6 +18,7 @@ from common.handoff.parts import ChunkPart, TrailerPart
 from common.handoff.stream import split_payload
 from common.handoff.tcp_frames import frame_header, hello
 from common.pb.flashsplit.v1 import decode_pb2, types_pb2
+from decode_service import chunk_landings
 from prefill_service.handoff_sender import HANDOFF_METHOD, _reply
 from prefill_service.tcp_connections import TcpConnections, send_chunks
 from tests.decode_service.test_handoff_validation import (EXPECTED, DecodeHarness, mutate, run,
@@ -36,6 +39,18 @@ def _wire(part) -> bytes:
     if isinstance(part, ChunkPart):
         return encode_chunk(part.field, part.layer, part.offset, part.data)
     return convert.handoff_part_to_pb(part).SerializeToString()
+
+
+async def buffers_back(h: DecodeHarness) -> None:
+    """Every frame buffer is back in the listener's pool (a frame still on its way when its
+    handoff ended is dropped a moment later), and no frame needed one of its own."""
+    pool = h.service.tcp.buffers
+    for _ in range(250):
+        if pool.num_buffers == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert pool.num_buffers == 0 and pool.bytes_in_use == 0
+    assert h.service.tcp.fresh_buffers == 0
 
 
 async def send_over_tcp(h: DecodeHarness, parts, connections: TcpConnections, *,
@@ -85,6 +100,7 @@ def test_a_handoff_over_tcp_decodes_and_returns_its_room(tiny):
             await send_over_tcp(h, list(split_payload(h.payload(handoff_id=78))), connections)
             await h.stub.Abort(types_pb2.AbortRequest(handoff_id=78), timeout=5)
             assert await h.free() == before
+            await buffers_back(h)
             connections.close()
     run(scenario())
 
@@ -100,6 +116,7 @@ def test_a_bad_chunk_over_tcp_gets_the_streams_status_and_frees_everything(tiny,
                 await send_over_tcp(h, parts, connections)
             assert err.value.code() == EXPECTED[kind], err.value.details()
             assert await h.free() == before
+            await buffers_back(h)
             # connections and worker both take the next handoff
             await send_over_tcp(h, list(split_payload(h.payload(handoff_id=78, max_new_tokens=1))),
                                 connections)
@@ -129,6 +146,7 @@ def test_frames_that_break_the_rules_are_refused(tiny, case, code):
                 await send_over_tcp(h, [header, *chunks, trailer], connections, **kwargs)
             assert err.value.code() == code, err.value.details()
             assert await h.free() == before
+            await buffers_back(h)
             connections.close()
     run(scenario())
 
@@ -159,6 +177,7 @@ def test_a_connection_that_breaks_inside_a_frame_is_data_loss(tiny):
             assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value.details()
             assert "connection" in err.value.details()
             assert await h.free() == before
+            await buffers_back(h)
     run(scenario())
 
 
@@ -186,6 +205,7 @@ def test_frames_for_a_handoff_nobody_holds_are_dropped(tiny):
             assert await h.free() == before
             await send_over_tcp(h, list(split_payload(h.payload(handoff_id=78, max_new_tokens=1))),
                                 connections)
+            await buffers_back(h)
             connections.close()
     run(scenario())
 
@@ -220,3 +240,62 @@ def test_a_quiet_stream_whose_chunks_come_over_tcp_is_not_idle(tiny):
             assert await h.free() == before
             connections.close()
     run(scenario())
+
+
+def test_a_handoff_aborted_with_frames_queued_gives_every_buffer_back(tiny, monkeypatch):
+    """Landings held up: frames wait in the inbox and in the landings, each in its buffer.
+    Aborted then, the queued frames' buffers come back at once, the landing ones' once their
+    landing ends."""
+    gate = threading.Event()
+    land = chunk_landings._land
+
+    def held_land(*args):
+        gate.wait(10)
+        return land(*args)
+
+    monkeypatch.setattr(chunk_landings, "_land", held_land)
+
+    async def scenario():
+        async with DecodeHarness(tiny) as h:
+            pool = h.service.tcp.buffers
+            before = await h.free()
+            header, *chunks, trailer = split_payload(h.payload(), chunk_bytes=700)
+            call = _raw_call(h)
+            await call.write(_wire(header))
+            accepted = (await _reply(call, "accepted")).accepted
+
+            def send() -> None:
+                sock = socket.create_connection(("127.0.0.1", accepted.tcp_port))
+                sock.sendall(hello(None))
+                assert sock.recv(1) == b"\x01"
+                for chunk in chunks:
+                    body = _wire(chunk)
+                    sock.sendall(frame_header(accepted.tcp_ticket, len(body)) + body)
+                sock.close()
+
+            await asyncio.to_thread(send)
+            # 4 landing (ChunkLandings' bound) and 8 waiting (the listener's max_ahead)
+            for _ in range(250):
+                if pool.num_buffers == 12:
+                    break
+                await asyncio.sleep(0.02)
+            assert pool.num_buffers == 12
+            await h.stub.Abort(types_pb2.AbortRequest(handoff_id=77), timeout=5)
+            await call.write(_wire(TrailerPart(trailer.checksums, trailer.first_token,
+                                               tcp_chunks=len(chunks))))
+            await call.done_writing()
+            for _ in range(250):  # the queued frames are dropped, the landing ones held
+                if pool.num_buffers == 4:
+                    break
+                await asyncio.sleep(0.02)
+            assert pool.num_buffers == 4
+            gate.set()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _reply(call, "ack")
+            assert err.value.code() == grpc.StatusCode.ABORTED, err.value.details()
+            assert await h.free() == before
+            await buffers_back(h)
+    try:
+        run(scenario())
+    finally:
+        gate.set()

@@ -60,9 +60,9 @@ def test_frames_reach_their_offer_and_hold_the_connection_until_taken():
         while len(taken) < 4:
             for offer in (a, b):
                 while not offer.inbox.empty():
-                    message, release = offer.inbox.get_nowait()
-                    release()
-                    taken.append((offer is a, message[0]))
+                    frame = offer.inbox.get_nowait()
+                    taken.append((offer is a, frame.data[0]))
+                    frame.release()
             await asyncio.sleep(0.01)
         assert sorted(taken) == [(False, 1), (False, 3), (True, 0), (True, 2)]
         # a withdrawn offer's frames are dropped, queued ones released
@@ -70,8 +70,9 @@ def test_frames_reach_their_offer_and_hold_the_connection_until_taken():
         connection.submit(a.ticket, b"x" * 10)
         connection.submit(b.ticket, b"y" * 10)
         await asyncio.to_thread(connection.flush)
-        item = await asyncio.wait_for(b.inbox.get(), 5)
-        assert item[0] == b"y" * 10 and a.inbox.empty()
+        frame = await asyncio.wait_for(b.inbox.get(), 5)
+        assert bytes(frame.data) == b"y" * 10 and a.inbox.empty()
+        frame.release()
         connections.close()
         listener.close()
 

@@ -13,8 +13,8 @@ from common.handoff.checksum import crc32c
 from common.handoff.manifest import FieldSpec
 from common.engine.layer_progress import ForwardFailed, LayerProgress
 from prefill_service.engine import StateReady
-from prefill_service.state_reader import (ModelLayers, PromptShape, StateReader,
-                                          fold_checksums, new_ledgers)
+from common.handoff.ledger import fold_checksums, new_ledgers
+from prefill_service.state_reader import ModelLayers, PromptShape, StateReader
 
 LAYERS, POOL_PAGES, PAGE, HEADS, DIM, SLOTS = 3, 11, 4, 2, 8, 3
 
@@ -221,3 +221,78 @@ def test_a_forward_that_fails_ends_the_reads_waiting_on_it():
                            new_ledgers(layered_manifest(6)))
     with pytest.raises(ForwardFailed, match="before layer 1"):
         list(messages)
+
+
+def _frame_messages(frames) -> list[bytes]:
+    messages = []
+    for frame in frames:
+        messages.append(b"".join(bytes(part) for part in frame.parts))
+        frame.done()
+    return messages
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 300, 1 << 20])
+def test_frames_carry_the_same_bytes_and_checksums_as_the_encoded_chunks(piece_bytes):
+    """``frames`` (the tcp transport) and ``read`` (the gRPC stream) give the same payload
+    bytes in the same order, and the same trailer CRCs; a frame's payload is one whole run of
+    a piece (no chunk_bytes split)."""
+    kv, conv, ssm, draft = pools()
+    prompt_len, page_ids, slot = 18, (7, 2, 9, 0, 5), 1
+    prompt = PromptShape(prompt_len, PAGE)
+    want = {"kv": expected_paged(kv, page_ids, prompt_len),
+            "conv_state": conv[:, slot].clone(), "ssm_state": ssm[:, slot].clone()}
+    manifest = {name: FieldSpec("float32", tuple(t.shape)) for name, t in want.items()}
+    final = StateReady(page_ids, slot, 5, True, first_token=3)
+    outputs = {}
+    for how in ("read", "frames"):
+        reader = StateReader(kv, conv, ssm, None, 64, piece_bytes=piece_bytes,
+                             model_layers=ModelLayers((1, 3, 5), (0, 2)))
+        ledgers = new_ledgers(manifest)
+        made = getattr(reader, how)(final, [("kv", 0, 5)], True, prompt, ledgers)
+        messages = list(made) if how == "read" else _frame_messages(made)
+        assert_rebuilt(messages, want)
+        outputs[how] = (messages, fold_checksums(manifest, ledgers))
+    assert outputs["read"][1] == outputs["frames"][1]
+    runs = [(c.field, c.layer) for c in map(decode_chunk, outputs["frames"][0])]
+    chunks = [(c.field, c.layer) for c in map(decode_chunk, outputs["read"][0])]
+    assert list(dict.fromkeys(runs)) == list(dict.fromkeys(chunks))  # the same order
+    page_bytes = PAGE * HEADS * DIM * 4
+    per_piece = max(1, piece_bytes // (2 * page_bytes))
+    assert len(runs) == LAYERS * 2 * -(-5 // per_piece) + 2 * 2  # K and V runs; 2 states x 2
+
+
+def test_a_frames_buffer_goes_back_after_its_last_frame():
+    from prefill_service.state_reader import _Lease
+
+    class Buffer:
+        released = 0
+
+        def release(self):
+            self.released += 1
+
+    buffer = Buffer()
+    lease = _Lease(buffer)
+    frames = [lease.hold() for _ in range(3)]
+    lease.drop()  # the reader is past the batch
+    frames[0]()
+    frames[1]()
+    assert buffer.released == 0
+    frames[2]()
+    assert buffer.released == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_frames_are_views_of_pinned_batches_given_back_once_written():
+    kv, conv, ssm, _ = (t.cuda() for t in pools(2))
+    prompt_len, page_ids, slot = 21, (3, 8, 1, 10, 6, 4), 2
+    reader = StateReader(kv, conv, ssm, None, 100, piece_bytes=3000, model_layers=FORWARD)
+    ready = StateReady(page_ids, slot, 6, True, first_token=1)
+    frames = list(reader.frames(ready, [("kv", 0, 6)], True, PromptShape(prompt_len, PAGE),
+                                new_ledgers(layered_manifest(6))))
+    assert reader.host_buffers.num_buffers > 0  # the frames still hold their batches
+    assert_rebuilt(_frame_messages(frames),
+                   {"kv": expected_paged(kv.cpu(), page_ids, prompt_len),
+                    "conv_state": conv[:, slot].cpu(), "ssm_state": ssm[:, slot].cpu()})
+    assert reader.host_buffers.num_buffers == 0
+    reader.close()

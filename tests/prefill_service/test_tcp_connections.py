@@ -119,3 +119,56 @@ def test_tcp_fails_clearly_without_a_reachable_listener(offer_port, make_payload
                                           else 0, tcp_ticket=b"t" * 16)
     with pytest.raises(HandoffTransportError, match="takes no chunks over TCP"):
         _open("tcp", accepted, TcpConnections(None), make_payload(5))
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        got = sock.recv(n - len(out))
+        if not got:
+            break
+        out += got
+    return bytes(out)
+
+
+def test_frames_are_written_from_their_parts_and_each_released_once():
+    from common.handoff.tcp_frames import FRAME_HEADER_BYTES, parse_frame_header
+    from prefill_service.tcp_connections import Frame, TcpConnection, send_chunks
+
+    ours, theirs = socket.socketpair()
+    connection = TcpConnection(ours, ("pair", 0))
+    released: dict[int, int] = {}
+    payloads = [bytes([i]) * (300_000 + i) for i in range(5)]  # larger than a socket buffer
+    frames = [Frame((b"pre%d" % i, memoryview(bytearray(p))),
+                    lambda i=i: released.__setitem__(i, released.get(i, 0) + 1))
+              for i, p in enumerate(payloads)]
+    ticket = bytes(range(16))
+    with ThreadPoolExecutor(1) as pool:
+        sending = pool.submit(send_chunks, [connection], ticket, frames)
+        for i, payload in enumerate(payloads):
+            got_ticket, nbytes = parse_frame_header(_read_exactly(theirs, FRAME_HEADER_BYTES))
+            assert got_ticket == ticket
+            assert _read_exactly(theirs, nbytes) == b"pre%d" % i + payload
+        sent, count = sending.result(10)
+    assert count == 5 and sent == sum(len(p) + 4 for p in payloads)
+    assert released == {i: 1 for i in range(5)}
+    connection.close()
+    theirs.close()
+
+
+def test_frames_that_cannot_be_written_are_released_too():
+    from prefill_service.tcp_connections import Frame, TcpConnection, send_chunks
+
+    ours, theirs = socket.socketpair()
+    theirs.close()  # the receiver went away: the first write fails
+    connection = TcpConnection(ours, ("pair", 0))
+    released: list[int] = []
+    frames = [Frame((b"x" * 100_000,), lambda i=i: released.append(i)) for i in range(6)]
+    with pytest.raises(OSError):
+        send_chunks([connection], bytes(16), iter(frames))
+    connection.close()
+    for _ in range(100):  # the writer thread drops what was still queued
+        if len(released) == 6:
+            break
+        time.sleep(0.01)
+    assert sorted(released) == list(range(6))
