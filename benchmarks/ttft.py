@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -99,6 +100,7 @@ def in_process(args, lengths: list[int]) -> dict:
             times.append(time.perf_counter() - start)
         out[n] = statistics.median(times[1:])
         out["first_tokens"][n] = req.output_ids[0]
+        progress(f"in process, {n} tokens: TTFT {out[n] * 1e3:.1f} ms")
     prompts = [prompt_of(args.concurrent_len, 100 + i, vocab) for i in range(args.concurrent)]
     many = SamplingParams(temperature=0.0, max_new_tokens=args.concurrent_new, ignore_eos=True)
     # a warm-up of this batch shape (kernels that compile per shape), not measured
@@ -109,6 +111,7 @@ def in_process(args, lengths: list[int]) -> dict:
     engine.generate(prompts, many)
     sync(args.device)
     out["concurrent_s"] = time.perf_counter() - start
+    progress(f"in process, {args.concurrent} concurrent: {out['concurrent_s'] * 1e3:.1f} ms")
     del engine, model
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -125,6 +128,7 @@ def disaggregated(args, lengths: list[int], vocab: int, transport: str) -> dict:
     out: dict = {"timings": {}, "first_tokens": {}}
     with Cluster(config) as cluster:
         phases = PhaseScraper([w.metrics_url for w in cluster.workers if w.metrics_url])
+        progress(f"split with --handoff-transport {transport}: cluster up")
         asyncio.run(_measure_split(cluster.router_address, args, lengths, vocab, phases, out))
     return out
 
@@ -158,6 +162,9 @@ async def _measure_split(address: str, args, lengths: list[int], vocab: int,
                                  "router_ttft_s": last.time_to_first_token_s,
                                  **phases.stop()}
             out["first_tokens"][n] = last.token_ids[0]
+            phase_ms = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in out["timings"][n].items()
+                                 if k != "client_ttft_s" and v is not None)
+            progress(f"split, {n} tokens: TTFT {out[n] * 1e3:.1f} ms ({phase_ms})")
 
         async def concurrent(seed: int):
             prompts = [prompt_of(args.concurrent_len, seed + i, vocab)
@@ -171,6 +178,12 @@ async def _measure_split(address: str, args, lengths: list[int], vocab: int,
         await concurrent(200)  # warm-up of this batch shape, not measured
         out["concurrent_s"], ttfts = await concurrent(100)
         out["concurrent_median_ttft_s"] = statistics.median(ttfts)
+        progress(f"split, {args.concurrent} concurrent: {out['concurrent_s'] * 1e3:.1f} ms")
+
+
+def progress(line: str) -> None:
+    """One measured case at once, on stderr: a run cut short by a time limit keeps them."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def sync(device: str) -> None:
