@@ -8,6 +8,8 @@
 # Default files: every tests/**/*_gpu.py and the files holding `@pytest.mark.gpu` tests.
 # Each file's log (warnings off, short tracebacks) is OUT_DIR/<file>.log, and the table is also
 # OUT_DIR/summary.txt. PYTHON picks the interpreter (default: python). Exits 1 if any failed.
+# A failure's traceback goes into the log as it happens (FLASHSPLIT_INSTANT_FAILURES, see
+# tests/conftest.py), so a file its time limit kills still says what failed.
 set -uo pipefail
 
 OUT=${1:?usage: bash benchmarks/gpu_tests.sh OUT_DIR [SECONDS_PER_FILE] [FILE ...]}
@@ -30,7 +32,7 @@ status=0
 for file in "${FILES[@]}"; do
     log="$OUT/$(echo "$file" | tr '/' '_').log"
     start=$(date +%s)
-    timeout "$LIMIT" "$PY" -m pytest -q -m gpu -W ignore -p no:warnings -p no:cacheprovider \
+    FLASHSPLIT_INSTANT_FAILURES=1 timeout "$LIMIT" "$PY" -m pytest -q -m gpu -W ignore -p no:warnings -p no:cacheprovider \
         --tb=short "$file" > "$log" 2>&1
     rc=$?
     took=$(( $(date +%s) - start ))

@@ -41,6 +41,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """With FLASHSPLIT_INSTANT_FAILURES=1 (``benchmarks/gpu_tests.sh``), a failure's traceback
+    is printed as it happens: a run its time limit kills never reaches pytest's summary."""
+    if report.failed and os.environ.get("FLASHSPLIT_INSTANT_FAILURES") == "1":
+        print(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext}", flush=True)
+
+
 @pytest.fixture(autouse=True)
 def _seed_rngs():
     """Every test starts from the same global RNG state, whatever ran before it."""
