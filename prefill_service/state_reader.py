@@ -61,13 +61,15 @@ class PromptShape:
 
 
 class StateReader:
-    """Encodes pool contents as chunks of at most ``chunk_bytes``, recording each in the
-    caller's checksum ledgers (``fold_checksums`` turns them into the trailer's CRCs).
+    """Reads pool contents as encoded chunks of at most ``chunk_bytes`` (``read``) or as
+    frames (``frames``), recording each in the caller's checksum ledgers (``fold_checksums``
+    turns them into the trailer's CRCs).
 
     The state is read a piece at a time (one layer, or a run of its pages of at most
-    ``piece_bytes``): on a GPU each piece is copied on the reader's stream into a buffer of
-    ``host_buffers`` (pinned, reused) while the piece before it is encoded, and each waits only
-    for the layer that wrote it when the step reports its progress (``StateReady.layer_ready``).
+    ``piece_bytes``): on a GPU consecutive pieces of up to ``piece_bytes`` together are copied
+    on the reader's stream into a buffer of ``host_buffers`` (pinned, reused) while the batch
+    before it is taken, and each waits only for the layers that wrote it when the step reports
+    its progress (``StateReady.layer_ready``).
     """
 
     def __init__(self, kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
