@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_tests.sh OUT_DIR [SECONDS_PER_FILE] [FILE ...]
 #
 # Default files: every tests/**/*_gpu.py and the files holding `@pytest.mark.gpu` tests.
+# PER_CASE=1 runs each of their test cases under its own limit instead.
 # Each file's log (warnings off, short tracebacks) is OUT_DIR/<file>.log, and the table is also
 # OUT_DIR/summary.txt. PYTHON picks the interpreter (default: python). Exits 1 if any failed.
 # A failure's traceback goes into the log as it happens (FLASHSPLIT_INSTANT_FAILURES, see
@@ -27,10 +28,17 @@ else
                          | sort -u)
 fi
 
+# PER_CASE=1: each collected test case (node id) of the files runs under its own limit instead
+# of each file (a file of several cluster tests takes longer than one limit)
+if [ "${PER_CASE:-0}" = 1 ]; then
+    mapfile -t FILES < <("$PY" -m pytest -q --collect-only -m gpu -p no:cacheprovider "${FILES[@]}" \
+                         2>/dev/null | grep '::')
+fi
+
 status=0
 : > "$OUT/summary.txt"
 for file in "${FILES[@]}"; do
-    log="$OUT/$(echo "$file" | tr '/' '_').log"
+    log="$OUT/$(echo "$file" | tr '/[]:' '____').log"
     start=$(date +%s)
     FLASHSPLIT_INSTANT_FAILURES=1 timeout "$LIMIT" "$PY" -m pytest -q -m gpu -W ignore -p no:warnings -p no:cacheprovider \
         --tb=short "$file" > "$log" 2>&1
