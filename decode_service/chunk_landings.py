@@ -7,6 +7,9 @@ read in place inside its message, and the copy both release the GIL, so up to
 the trailer is checked only once every chunk has landed (``drain``). Whatever happens,
 ``settle`` waits for writes still running, so no thread writes into room that is given back.
 
+A ``device`` transport's pool copy runs the same way (``add_pool_copy``): claimed on the loop,
+run on a writer thread while the next part is read, waited for before the trailer.
+
 A chunk from the stream lands from its message's ``bytes``. A chunk that came over TCP lands
 from its frame's host buffer (``source``, a uint8 tensor: pinned on a GPU worker, so its copy to
 the device is a true asynchronous one), and ``done`` gives that buffer back once nothing reads
@@ -26,7 +29,7 @@ import torch
 
 from common.handoff.chunk_codec import RawChunk
 from common.handoff.ledger import message_payload_crc
-from common.handoff.parts import ChunkPart
+from common.handoff.parts import ChunkPart, PoolCopyPart
 from common.handoff.stream import HandoffAssembler
 
 
@@ -78,8 +81,18 @@ class ChunkLandings:
         while len(self._pending) >= self._max:
             await self._record_oldest()
 
+    async def add_pool_copy(self, part: PoolCopyPart) -> None:
+        """Claim a ``device`` transport copy and start it on a writer thread, as a chunk: the
+        next part is read while it runs (a GPU: the copy is queued on the reservation's
+        stream), ``drain`` waits for it before the trailer, ``settle`` after a failure."""
+        self._assembler.claim_pool_copy(part)
+        copy = self._writer.submit(self._assembler.run_pool_copy, part)
+        self._pending.append((None, asyncio.wrap_future(copy)))
+        while len(self._pending) >= self._max:
+            await self._record_oldest()
+
     async def drain(self) -> None:
-        """Wait until every chunk added so far has landed and is recorded."""
+        """Wait until every chunk (and copy) added so far has landed and is recorded."""
         while self._pending:
             await self._record_oldest()
 
@@ -96,4 +109,5 @@ class ChunkLandings:
         chunk, future = self._pending[0]
         crc = await asyncio.shield(future)
         self._pending.popleft()
-        self._assembler.record_chunk(chunk, crc)
+        if chunk is not None:  # a pool copy has no bytes to record
+            self._assembler.record_chunk(chunk, crc)

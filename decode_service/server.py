@@ -135,7 +135,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     # handoffs and token streams share the event loop
                     await landings.add(part, message, raw)
                 elif isinstance(part, PoolCopyPart):
-                    await loop.run_in_executor(self.writer, assembler.on_part, part)
+                    # run on a writer thread while the next part is read (one hop, not one each)
+                    await landings.add_pool_copy(part)
                 else:
                     if part.tcp_chunks and feed is None:
                         raise HandoffError("INVALID_ARGUMENT", "the trailer counts TCP chunks, "

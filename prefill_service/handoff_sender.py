@@ -178,7 +178,12 @@ class HandoffStream:
         if self.pool_copies:
             start = self._sent["kv"]
             self._sent["kv"] = max(start, ready.num_pages)
-            messages = await loop.run_in_executor(self._executor, self._copies, ready, start)
+            if ready.ready is None or ready.ready.query():
+                # the step is over (a final report follows its sampling): no wait, no hop
+                messages = self._copies(ready, start)
+            else:
+                messages = await loop.run_in_executor(self._executor, self._copies, ready,
+                                                      start)
             for message in messages:
                 self.bytes_sent += len(message)
                 await self._call.write(message)

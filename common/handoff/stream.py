@@ -168,6 +168,16 @@ class HandoffAssembler:
 
     def on_pool_copy(self, part: PoolCopyPart) -> None:
         """Check a ``device`` transport copy and run it (``reservation.copy_from``)."""
+        self.claim_pool_copy(part)
+        try:
+            self._reservation.copy_from(part)
+        except BaseException as err:
+            self._fail(err)
+
+    def claim_pool_copy(self, part: PoolCopyPart) -> None:
+        """Check a ``device`` transport copy and claim its pages, before it runs. A receiver
+        running copies on other threads calls this on the thread that feeds the assembler,
+        then ``run_pool_copy`` on a thread; the trailer may come only once every copy ran."""
         self._expect("chunks", "a pool copy")
         try:
             if self._copies is None:
@@ -177,9 +187,17 @@ class HandoffAssembler:
                 raise HandoffError("INVALID_ARGUMENT", f"field {part.field!r} arrives as bytes "
                                    "and as pool copies")
             self._copies.add(part, set(self._header.manifest))
-            self._reservation.copy_from(part)
         except BaseException as err:
             self._fail(err)
+
+    def run_pool_copy(self, part: PoolCopyPart) -> None:
+        """Run a claimed copy (any thread, concurrently with others); ABORTED once the handoff
+        was closed. Raising here does not close the assembler: the feeding thread gets the
+        error and calls ``abort``."""
+        reservation = self._reservation
+        if reservation is None or self._state != "chunks":
+            raise HandoffError("ABORTED", "the handoff was closed while its copies ran")
+        reservation.copy_from(part)
 
     def on_chunk(self, chunk: ChunkPart) -> None:
         """Check the chunk's address and write its bytes into the reservation."""

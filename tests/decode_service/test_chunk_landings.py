@@ -108,3 +108,76 @@ def test_a_failed_chunk_fails_the_handoff_after_every_write_ended(layout, finger
 def test_max_in_flight_must_be_positive(layout, fingerprint):
     with pytest.raises(ValueError):
         ChunkLandings(HandoffAssembler(layout, fingerprint, 1), None, 0)
+
+
+class CopyingReservation(InMemoryReservation):
+    """Records pool copies, each taking a while; the ``fail_at``-th raises."""
+
+    def __init__(self, manifest, fail_at: int | None = None) -> None:
+        super().__init__(manifest)
+        self.lock = threading.Lock()
+        self.copies, self.running, self.most_running, self.started = [], 0, 0, 0
+        self.fail_at = fail_at
+
+    def copy_from(self, part) -> None:
+        with self.lock:
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+            self.started += 1
+            n = self.started
+        try:
+            time.sleep(0.02)
+            if n == self.fail_at:
+                raise HandoffError("INVALID_ARGUMENT", "a pool copy outside the sender's pool")
+            with self.lock:
+                self.copies.append(part)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+def copy_handoff(layout, fingerprint, payload, reservation):
+    from common.handoff.parts import PoolCopyPart
+
+    pages = layout.num_pages(payload.prompt_len)
+    parts = [PoolCopyPart("kv", tuple(range(10, 10 + pages)), 0),
+             PoolCopyPart("conv_state", (3,)), PoolCopyPart("ssm_state", (3,))]
+    assembler = HandoffAssembler(layout, fingerprint, 1 << 30)
+
+    async def run():
+        landings = ChunkLandings(assembler, writer)
+        try:
+            header = next(iter(split_payload(payload)))
+            assembler.check_header(header)
+            assembler.start(header, reservation, pool_copies=True)
+            for part in parts:
+                await landings.add_pool_copy(part)  # returns while the copy runs
+            await landings.drain()
+            assembler.on_part(TrailerPart({}, first_token=5))
+            return assembler.on_end()
+        except BaseException:
+            await landings.settle()
+            assembler.abort()
+            raise
+
+    with ThreadPoolExecutor(max_workers=3) as writer:
+        return asyncio.run(run())
+
+
+def test_pool_copies_run_while_the_next_parts_are_read(layout, fingerprint, make_payload):
+    payload = make_payload(prompt_len=37, seed=5)
+    reservation = CopyingReservation(payload.manifest())
+    assert copy_handoff(layout, fingerprint, payload, reservation) is reservation
+    assert len(reservation.copies) == 3 and reservation.most_running > 1
+    assert reservation.num_commits == 1
+
+
+def test_a_failed_pool_copy_fails_the_handoff_after_every_copy_ended(layout, fingerprint,
+                                                                     make_payload):
+    payload = make_payload(prompt_len=37, seed=6)
+    reservation = CopyingReservation(payload.manifest(), fail_at=2)
+    with pytest.raises(HandoffError, match="outside the sender's pool") as failed:
+        copy_handoff(layout, fingerprint, payload, reservation)
+    assert failed.value.code == "INVALID_ARGUMENT"
+    assert reservation.running == 0
+    assert reservation.num_releases == 1 and reservation.num_commits == 0
