@@ -13,7 +13,7 @@ import torch
 
 from common.handoff.chunk_codec import decode_chunk, encode_chunk
 from common.handoff.errors import HandoffError
-from common.handoff.parts import ChunkPart, HeaderPart, TrailerPart
+from common.handoff.parts import ChunkPart, HeaderPart, PoolCopyPart, TrailerPart
 from common.handoff.reservation import InMemoryReservation
 from common.handoff.stream import HandoffAssembler, split_payload
 from decode_service.chunk_landings import ChunkLandings
@@ -58,18 +58,23 @@ def wire(payload, chunk_bytes=97):
     return out
 
 
-def receive(layout, fingerprint, payload, reservation, max_in_flight=4):
+def receive(layout, fingerprint, payload, reservation, max_in_flight=4, parts=None):
+    """Feed ``parts`` (default: the payload as it comes off the wire; ``(part, message, raw)``
+    each) through ChunkLandings as the decode handler does; the handoff's reservation."""
     assembler = HandoffAssembler(layout, fingerprint, 1 << 30)
+    pool_copies = parts is not None and any(isinstance(p, PoolCopyPart) for p, _, _ in parts)
 
     async def run():
         landings = ChunkLandings(assembler, writer, max_in_flight)
         try:
-            for part, message, raw in wire(payload):
+            for part, message, raw in parts if parts is not None else wire(payload):
                 if isinstance(part, HeaderPart):
                     assembler.check_header(part)
-                    assembler.start(part, reservation)
+                    assembler.start(part, reservation, pool_copies=pool_copies)
                 elif isinstance(part, ChunkPart):
                     await landings.add(part, message, raw)
+                elif isinstance(part, PoolCopyPart):
+                    await landings.add_pool_copy(part)  # returns while the copy runs
                 else:
                     assert isinstance(part, TrailerPart)
                     await landings.drain()
@@ -137,31 +142,12 @@ class CopyingReservation(InMemoryReservation):
 
 
 def copy_handoff(layout, fingerprint, payload, reservation):
-    from common.handoff.parts import PoolCopyPart
-
     pages = layout.num_pages(payload.prompt_len)
-    parts = [PoolCopyPart("kv", tuple(range(10, 10 + pages)), 0),
-             PoolCopyPart("conv_state", (3,)), PoolCopyPart("ssm_state", (3,))]
-    assembler = HandoffAssembler(layout, fingerprint, 1 << 30)
-
-    async def run():
-        landings = ChunkLandings(assembler, writer)
-        try:
-            header = next(iter(split_payload(payload)))
-            assembler.check_header(header)
-            assembler.start(header, reservation, pool_copies=True)
-            for part in parts:
-                await landings.add_pool_copy(part)  # returns while the copy runs
-            await landings.drain()
-            assembler.on_part(TrailerPart({}, first_token=5))
-            return assembler.on_end()
-        except BaseException:
-            await landings.settle()
-            assembler.abort()
-            raise
-
-    with ThreadPoolExecutor(max_workers=3) as writer:
-        return asyncio.run(run())
+    copies = [PoolCopyPart("kv", tuple(range(10, 10 + pages)), 0),
+              PoolCopyPart("conv_state", (3,)), PoolCopyPart("ssm_state", (3,))]
+    parts = [next(iter(split_payload(payload))), *copies, TrailerPart({}, first_token=5)]
+    return receive(layout, fingerprint, payload, reservation,
+                   parts=[(part, None, None) for part in parts])
 
 
 def test_pool_copies_run_while_the_next_parts_are_read(layout, fingerprint, make_payload):
