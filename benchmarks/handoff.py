@@ -100,26 +100,24 @@ def copy_seconds(payload: HandoffPayload, repeats: int) -> float:
     return best
 
 
-def encoded_parts(payload: HandoffPayload, chunk_bytes: int):
-    """``(header message, chunk messages made as they are pulled, trailer of a count of TCP
-    chunks)`` as the prefill worker makes them: header and trailer through protobuf, every
-    layer's bytes encoded straight from tensor memory into chunks with their checksums
-    (``prefill_service/state_reader.py``)."""
+def handoff_parts(payload: HandoffPayload, layer_chunks):
+    """``(header message, chunks made as they are pulled, trailer of a count of TCP chunks)``
+    as the prefill worker makes them: header and trailer through protobuf, every layer's
+    bytes made into chunks by ``layer_chunks(name, layer, bytes, ledgers)`` straight from
+    tensor memory, with their checksums (``prefill_service/state_reader.py``)."""
     from common import convert
+    from common.handoff.ledger import fold_checksums, new_ledgers
     from common.handoff.parts import TrailerPart
     from common.handoff.stream import header_of
-    from common.handoff.ledger import fold_checksums, new_ledgers
-    from prefill_service.state_reader import encode_layer
 
     header = header_of(payload)
     ledgers = new_ledgers(header.manifest)
 
-    def chunks() -> Iterator[bytes]:
+    def chunks():
         for name, tensor in payload.fields.items():
             flat = tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
             for layer in range(tensor.shape[0]):
-                yield from encode_layer(name, layer, 0, memoryview(flat[layer]), ledgers,
-                                        chunk_bytes)
+                yield from layer_chunks(name, layer, memoryview(flat[layer]), ledgers)
 
     def trailer(tcp_chunks: int = 0) -> bytes:
         part = TrailerPart(fold_checksums(header.manifest, ledgers), payload.first_token,
@@ -127,6 +125,15 @@ def encoded_parts(payload: HandoffPayload, chunk_bytes: int):
         return convert.handoff_part_to_pb(part).SerializeToString()
 
     return convert.handoff_part_to_pb(header).SerializeToString(), chunks(), trailer
+
+
+def encoded_parts(payload: HandoffPayload, chunk_bytes: int):
+    """``handoff_parts`` with encoded chunk messages of at most ``chunk_bytes`` (the gRPC
+    stream)."""
+    from prefill_service.state_reader import encode_layer
+
+    return handoff_parts(payload, lambda name, layer, data, ledgers: encode_layer(
+        name, layer, 0, data, ledgers, chunk_bytes))
 
 
 def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> Iterator[bytes]:
@@ -141,37 +148,13 @@ TCP_FRAME_BYTES = 8 << 20  # the K or V half of a StateReader piece of 16 MiB
 
 
 def frame_parts(payload: HandoffPayload):
-    """``(header message, frames made as they are pulled, trailer of a count of TCP chunks)``
-    as the prefill worker makes them for ``tcp``: each frame's payload a view of the tensor's
-    memory, checksummed in place, never copied (``StateReader.frames``)."""
-    from common import convert
-    from common.handoff.checksum import crc32c
-    from common.handoff.chunk_codec import chunk_prefix
-    from common.handoff.parts import TrailerPart
-    from common.handoff.stream import header_of
-    from common.handoff.ledger import fold_checksums, new_ledgers
-    from prefill_service.tcp_connections import Frame
+    """``handoff_parts`` with frames, as the prefill worker makes them for ``tcp``: each
+    frame's payload a view of the tensor's memory, checksummed in place, never copied
+    (``StateReader.frames``)."""
+    from prefill_service.state_reader import frame_layer
 
-    header = header_of(payload)
-    ledgers = new_ledgers(header.manifest)
-
-    def frames():
-        for name, tensor in payload.fields.items():
-            flat = tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
-            for layer in range(tensor.shape[0]):
-                data = memoryview(flat[layer])
-                for start in range(0, len(data), TCP_FRAME_BYTES):
-                    piece = data[start:start + TCP_FRAME_BYTES]
-                    ledgers[(name, layer)].claim(start, len(piece), name)
-                    ledgers[(name, layer)].record(start, crc32c(piece))
-                    yield Frame((chunk_prefix(name, layer, start, len(piece)), piece))
-
-    def trailer(tcp_chunks: int = 0) -> bytes:
-        part = TrailerPart(fold_checksums(header.manifest, ledgers), payload.first_token,
-                           tcp_chunks=tcp_chunks)
-        return convert.handoff_part_to_pb(part).SerializeToString()
-
-    return convert.handoff_part_to_pb(header).SerializeToString(), frames(), trailer
+    return handoff_parts(payload, lambda name, layer, data, ledgers: frame_layer(
+        name, layer, 0, data, ledgers, TCP_FRAME_BYTES))
 
 
 async def send_over_tcp(handoff, payload: HandoffPayload, connections,

@@ -39,7 +39,7 @@ import torch
 from common.handoff.checksum import crc32c
 from common.handoff.chunk_codec import chunk_prefix, encode_chunk
 from common.handoff.host_buffers import HostBuffer, HostBufferPool, HostBufferPoolConfig
-from common.handoff.ledger import LayerLedger, message_payload_crc
+from common.handoff.ledger import LayerLedger
 from common.handoff.tcp_frames import MAX_FRAME_BYTES
 from prefill_service.engine import StateReady
 from prefill_service.tcp_connections import Frame
@@ -101,8 +101,7 @@ class StateReader:
         forward) last. So within a prompt's last chunk each GDN layer's state goes while the
         later layers run, instead of after the last attention layer's KV, and only the last
         layer's data is left when the forward ends."""
-        for piece, host, _ in self._to_host(self._pieces(ready, page_ranges, states, prompt),
-                                            ready):
+        for piece, host, _ in self._to_host(self._pieces(ready, page_ranges, states, prompt)):
             for offset, data in self._byte_runs(piece, host, prompt):
                 yield from encode_layer(piece.field, piece.layer, offset, data, ledgers,
                                         self.chunk_bytes)
@@ -115,18 +114,11 @@ class StateReader:
         ``FRAME_PAYLOAD_BYTES``, its payload a view of the host buffer (no copy), its CRC-32C
         computed in place. The caller must ``done()`` every frame it takes (the TCP writer
         does, written or dropped): the buffer goes back to the pool after the last."""
-        for piece, host, lease in self._to_host(self._pieces(ready, page_ranges, states, prompt),
-                                                ready):
+        for piece, host, lease in self._to_host(self._pieces(ready, page_ranges, states,
+                                                             prompt)):
             for offset, data in self._byte_runs(piece, host, prompt):
-                ledger = ledgers[(piece.field, piece.layer)]
-                where = f"{piece.field} layer {piece.layer}"
-                for start in range(0, len(data), FRAME_PAYLOAD_BYTES):
-                    payload = data[start:start + FRAME_PAYLOAD_BYTES]
-                    at = offset + start
-                    ledger.claim(at, len(payload), where)
-                    ledger.record(at, crc32c(payload))  # GIL released over the pinned bytes
-                    prefix = chunk_prefix(piece.field, piece.layer, at, len(payload))
-                    yield Frame((prefix, payload), lease.hold())
+                yield from frame_layer(piece.field, piece.layer, offset, data, ledgers,
+                                       FRAME_PAYLOAD_BYTES, lease.hold)
 
     def _pieces(self, ready: StateReady, page_ranges: list[tuple[str, int, int]], states: bool,
                 prompt: PromptShape) -> list[_Piece]:
@@ -206,7 +198,7 @@ class StateReader:
             index = progress.num_layers - 1
         return lambda: progress.wait(index)
 
-    def _to_host(self, pieces: list[_Piece], ready: StateReady):
+    def _to_host(self, pieces: list[_Piece]):
         """``(piece, uint8 ndarray of its bytes, lease of its buffer)`` in order. On a GPU the
         copy of the next batch runs while the caller takes this one; a batch's buffer goes back
         to the pool once the caller is past its pieces and every frame that holds it is done."""
@@ -380,15 +372,35 @@ def _gather(pool: torch.Tensor, layer: int, index: torch.Tensor, tail: int) -> t
     return out
 
 
+def checked_runs(name: str, layer: int, offset: int, data: memoryview,
+                 ledgers: dict[tuple[str, int], LayerLedger],
+                 run_bytes: int) -> Iterator[tuple[int, memoryview]]:
+    """``(offset, bytes)`` of each run of at most ``run_bytes`` of ``data`` (bytes ``offset..``
+    of one layer of ``name``), claimed in its layer's checksum ledger with its CRC-32C, read in
+    place with the GIL released."""
+    ledger = ledgers[(name, layer)]
+    where = f"{name} layer {layer}"
+    for start in range(0, len(data), run_bytes):
+        piece = data[start:start + run_bytes]
+        ledger.claim(offset + start, len(piece), where)
+        ledger.record(offset + start, crc32c(piece))
+        yield offset + start, piece
+
+
 def encode_layer(name: str, layer: int, offset: int, data: memoryview,
                  ledgers: dict[tuple[str, int], LayerLedger], chunk_bytes: int) -> Iterator[bytes]:
-    """``data`` (bytes ``offset..`` of one layer of ``name``) as encoded chunks of at most
-    ``chunk_bytes``, each recorded in its layer's checksum ledger. Both the copy into the
-    message and its CRC-32C run with the GIL released (``message_payload_crc``)."""
-    ledger = ledgers[(name, layer)]
-    for start in range(0, len(data), chunk_bytes):
-        piece = data[start:start + chunk_bytes]
-        message = encode_chunk(name, layer, offset + start, piece)
-        ledger.claim(offset + start, len(piece), f"{name} layer {layer}")
-        ledger.record(offset + start, message_payload_crc(message, len(message) - len(piece)))
-        yield message
+    """``data`` (bytes ``offset..`` of one layer of ``name``) as encoded chunk messages of at
+    most ``chunk_bytes``, each recorded in its layer's checksum ledger."""
+    for at, piece in checked_runs(name, layer, offset, data, ledgers, chunk_bytes):
+        yield encode_chunk(name, layer, at, piece)
+
+
+def frame_layer(name: str, layer: int, offset: int, data: memoryview,
+                ledgers: dict[tuple[str, int], LayerLedger], frame_bytes: int,
+                hold: Callable[[], Callable[[], None] | None] = lambda: None
+                ) -> Iterator[Frame]:
+    """``data`` as ``tcp`` frames of at most ``frame_bytes``, each recorded in its layer's
+    checksum ledger: a frame is the chunk's prefix and a view of ``data`` (never copied), and
+    its ``release`` is what ``hold()`` returns for it."""
+    for at, piece in checked_runs(name, layer, offset, data, ledgers, frame_bytes):
+        yield Frame((chunk_prefix(name, layer, at, len(piece)), piece), hold())

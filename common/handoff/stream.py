@@ -170,7 +170,7 @@ class HandoffAssembler:
         """Check a ``device`` transport copy and run it (``reservation.copy_from``)."""
         self.claim_pool_copy(part)
         try:
-            self._reservation.copy_from(part)
+            self.run_pool_copy(part)
         except BaseException as err:
             self._fail(err)
 
