@@ -35,6 +35,21 @@ def _raw_call(h: DecodeHarness):
         timeout=20)
 
 
+async def _opened(h: DecodeHarness, header):
+    """A raw call that has written ``header``, and the decode worker's acceptance."""
+    call = _raw_call(h)
+    await call.write(_wire(header))
+    return call, (await _reply(call, "accepted")).accepted
+
+
+def _raw_connection(port: int) -> socket.socket:
+    """A connection to the listener, past its hello (a cluster without a token)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(hello(None))
+    assert sock.recv(1) == b"\x01"
+    return sock
+
+
 def _wire(part) -> bytes:
     if isinstance(part, ChunkPart):
         return encode_chunk(part.field, part.layer, part.offset, part.data)
@@ -59,9 +74,7 @@ async def send_over_tcp(h: DecodeHarness, parts, connections: TcpConnections, *,
     trailer counts ``tcp_chunks`` (default: the frames sent). ``on_stream`` chunks go in
     the call as well; ``extra_frames`` are raw frame bodies sent after the chunks."""
     header, *chunks, trailer = parts
-    call = _raw_call(h)
-    await call.write(_wire(header))
-    accepted = (await _reply(call, "accepted")).accepted
+    call, accepted = await _opened(h, header)
     assert accepted.tcp_port and len(accepted.tcp_ticket) == 16
 
     def send() -> int:
@@ -156,14 +169,10 @@ def test_a_connection_that_breaks_inside_a_frame_is_data_loss(tiny):
         async with DecodeHarness(tiny) as h:
             before = await h.free()
             header, *chunks, trailer = split_payload(h.payload(), chunk_bytes=700)
-            call = _raw_call(h)
-            await call.write(_wire(header))
-            accepted = (await _reply(call, "accepted")).accepted
+            call, accepted = await _opened(h, header)
 
             def half_a_frame() -> None:
-                sock = socket.create_connection(("127.0.0.1", accepted.tcp_port))
-                sock.sendall(hello(None))
-                assert sock.recv(1) == b"\x01"
+                sock = _raw_connection(accepted.tcp_port)
                 body = _wire(chunks[0])
                 sock.sendall(frame_header(accepted.tcp_ticket, len(body)) + body[:len(body) // 2])
                 sock.close()
@@ -189,9 +198,8 @@ def test_frames_for_a_handoff_nobody_holds_are_dropped(tiny):
             connections = TcpConnections(None)
             before = await h.free()
             header, *chunks, trailer = split_payload(h.payload(), chunk_bytes=700)
-            call = _raw_call(h)
-            await call.write(_wire(header))
-            port = (await _reply(call, "accepted")).accepted.tcp_port
+            call, accepted = await _opened(h, header)
+            port = accepted.tcp_port
             call.cancel()
             connection = await asyncio.to_thread(connections.acquire, "127.0.0.1", port)
             for chunk in chunks:
@@ -218,9 +226,7 @@ def test_a_quiet_stream_whose_chunks_come_over_tcp_is_not_idle(tiny):
             connections = TcpConnections(None)
             before = await h.free()
             header, *chunks, trailer = split_payload(h.payload(max_new_tokens=1), chunk_bytes=700)
-            call = _raw_call(h)
-            await call.write(_wire(header))
-            accepted = (await _reply(call, "accepted")).accepted
+            call, accepted = await _opened(h, header)
             connection = await asyncio.to_thread(connections.acquire, "127.0.0.1",
                                                  accepted.tcp_port)
             for chunk in chunks[:4]:  # 4 x 0.4 s: more than the idle timeout in all
@@ -260,14 +266,10 @@ def test_a_handoff_aborted_with_frames_queued_gives_every_buffer_back(tiny, monk
             pool = h.service.tcp.buffers
             before = await h.free()
             header, *chunks, trailer = split_payload(h.payload(), chunk_bytes=700)
-            call = _raw_call(h)
-            await call.write(_wire(header))
-            accepted = (await _reply(call, "accepted")).accepted
+            call, accepted = await _opened(h, header)
 
             def send() -> None:
-                sock = socket.create_connection(("127.0.0.1", accepted.tcp_port))
-                sock.sendall(hello(None))
-                assert sock.recv(1) == b"\x01"
+                sock = _raw_connection(accepted.tcp_port)
                 for chunk in chunks:
                     body = _wire(chunk)
                     sock.sendall(frame_header(accepted.tcp_ticket, len(body)) + body)
