@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -32,12 +33,14 @@ from pathlib import Path
 import torch
 
 from benchmarks import byte_path
+from benchmarks.busy_engine import BusyEngine, solo_ops_per_s
 from benchmarks.shapes import SHAPES, shape_config
 from common.config import ModelConfig
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
 from common.handoff.payload import HandoffPayload, new_handoff_id
 from common.model.builtin import tiny_config
 from common.request_spec import RequestSpec
+from common.worker_args import GIL_SWITCH_INTERVAL_S
 from common.sampling import SamplingParams
 
 PAGE_SIZE = 16
@@ -185,7 +188,11 @@ async def send_over_tcp(handoff, payload: HandoffPayload, connections,
 
 
 async def measure(address: str, config: ModelConfig, lengths, repeats: int,
-                  chunk_bytes: int, transport: str, tcp_connections: int = 2) -> list[dict]:
+                  chunk_bytes: int, transport: str, tcp_connections: int = 2,
+                  busy: bool = False) -> list[dict]:
+    """Best-of-``repeats`` handoffs at each of ``lengths``; with ``busy``, each beside a
+    stand-in engine thread launching small ops (``benchmarks/busy_engine.py``), whose rate
+    against its rate alone is the row's ``engine_x_alone``."""
     from common.channels import ChannelSecurity, make_channel
     from common.handoff.tcp_frames import tcp_host
     from common.pb.flashsplit.v1 import decode_pb2
@@ -203,21 +210,28 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
             Handoff = staticmethod(handoff)
 
         for n in lengths:
-            best = float("inf")
+            best, engine_rates = float("inf"), []
+            solo = solo_ops_per_s() if busy else None
             for _ in range(repeats):
                 payload = make_payload(config, n)  # a fresh handoff id each time
-                start = time.perf_counter()
-                if transport == "tcp":
-                    await send_over_tcp(handoff, payload, connections, tcp_host(address),
-                                        executor, tcp_connections)
-                else:  # encoded on a thread while the loop writes, as the prefill worker does
-                    await send_handoff(Stub, encoded_messages(payload, chunk_bytes), 600.0,
-                                       executor)
-                best = min(best, time.perf_counter() - start)
+                with BusyEngine() if busy else contextlib.nullcontext() as engine:
+                    start = time.perf_counter()
+                    if transport == "tcp":
+                        await send_over_tcp(handoff, payload, connections, tcp_host(address),
+                                            executor, tcp_connections)
+                    else:  # encoded on a thread while the loop writes, as prefill does
+                        await send_handoff(Stub, encoded_messages(payload, chunk_bytes),
+                                           600.0, executor)
+                    best = min(best, time.perf_counter() - start)
+                if busy:
+                    engine_rates.append(engine.ops_per_s / solo)
             nbytes = sum(t.numel() * t.element_size() for t in payload.fields.values())
             copy_s = copy_seconds(payload, repeats)
             label = f"tcp x{tcp_connections}" if transport == "tcp" else transport
-            rows.append({"transport": label, "prompt_len": n, "bytes": nbytes,
+            rows.append({"transport": label + (" busy" if busy else ""), "prompt_len": n,
+                         "bytes": nbytes, "busy_engine": busy,
+                         "engine_x_alone": (sum(engine_rates) / len(engine_rates)
+                                            if busy else None),
                          "handoff_s": best, "handoff_MBps": nbytes / best / 1e6,
                          "memcpy_s": copy_s, "memcpy_MBps": nbytes / copy_s / 1e6,
                          "slowdown_vs_memcpy": best / copy_s})
@@ -226,7 +240,7 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
 
 
 def run_shape(shape: str, lengths, repeats: int, transports,
-              tcp_connections: list[int]) -> list[dict]:
+              tcp_connections: list[int], busy: list[bool] = (False,)) -> list[dict]:
     from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES
 
     config = config_for(shape)
@@ -240,8 +254,9 @@ def run_shape(shape: str, lengths, repeats: int, transports,
         rows = []
         for transport in transports:
             for n in tcp_connections if transport == "tcp" else [0]:
-                rows += asyncio.run(measure(line.split()[-1], config, lengths, repeats,
-                                            DEFAULT_CHUNK_BYTES, transport, n))
+                for beside in busy:
+                    rows += asyncio.run(measure(line.split()[-1], config, lengths, repeats,
+                                                DEFAULT_CHUNK_BYTES, transport, n, beside))
     finally:
         server.terminate()
         server.wait()
@@ -259,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
                         "TCP connections beside it)")
     p.add_argument("--tcp-connections", default="1,2",
                    help="comma-separated connection counts per handoff to measure for tcp")
+    p.add_argument("--busy-engine", action="store_true",
+                   help="also measure each handoff beside a stand-in engine thread launching "
+                        "small ops in the sender's process, as a prefill worker's forward "
+                        "does (its GIL), and report that thread's rate against its rate alone")
     p.add_argument("--out", default="out/handoff.json")
     p.add_argument("--byte-path-mib", type=float, default=128,
                    help="MiB per transfer in the byte-path measurement (0: skip it)")
@@ -270,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--num-pages", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a worker's process
     if args.serve:
         asyncio.run(serve(args.serve, args.num_pages))
         return 0
@@ -278,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.byte_path_only:
         for shape in args.shapes.split(","):
             rows += run_shape(shape, lengths, args.repeats, args.transports.split(","),
-                              [int(n) for n in args.tcp_connections.split(",")])
+                              [int(n) for n in args.tcp_connections.split(",")],
+                              [False, True] if args.busy_engine else [False])
     transport = (byte_path.run(args.byte_path_mib, max(args.repeats, 7),
                                [] if args.raw_tcp_only else None)
                  if args.byte_path_mib > 0 else None)
@@ -302,14 +323,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'shape':<12} {'via':<8} {'prompt':>7} {'MiB':>9} {'handoff ms':>11} {'MB/s':>8} "
-          f"{'memcpy MB/s':>12} {'x memcpy':>9} {'x raw TCP':>9}")
+    busy = any(r.get("busy_engine") for r in rows)
+    print(f"{'shape':<12} {'via':<13} {'prompt':>7} {'MiB':>9} {'handoff ms':>11} {'MB/s':>8} "
+          f"{'memcpy MB/s':>12} {'x memcpy':>9} {'x raw TCP':>9}"
+          + (f" {'engine x alone':>15}" if busy else ""))
     for r in rows:
         x_raw = "" if r.get("x_raw_tcp") is None else f"{r['x_raw_tcp']:.2f}"
-        print(f"{r['shape']:<12} {r['transport']:<8} {r['prompt_len']:>7} "
+        engine = "" if r.get("engine_x_alone") is None else f"{r['engine_x_alone']:.2f}"
+        print(f"{r['shape']:<12} {r['transport']:<13} {r['prompt_len']:>7} "
               f"{r['bytes'] / 2**20:>9.2f} "
               f"{r['handoff_s'] * 1e3:>11.1f} {r['handoff_MBps']:>8.0f} "
-              f"{r['memcpy_MBps']:>12.0f} {r['slowdown_vs_memcpy']:>9.1f} {x_raw:>9}")
+              f"{r['memcpy_MBps']:>12.0f} {r['slowdown_vs_memcpy']:>9.1f} {x_raw:>9}"
+              + (f" {engine:>15}" if busy else ""))
 
 
 if __name__ == "__main__":

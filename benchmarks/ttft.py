@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.phase_metrics import PHASES, PhaseScraper
+from benchmarks.phase_metrics import PHASES, PhaseScraper, read_histograms
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
 from common.model.load import load_model
@@ -41,6 +41,8 @@ from router.cluster import Cluster, ClusterConfig
 from router.remote import generate, request_to_pb
 
 PAGE_SIZE = 16
+# the decode worker's histogram of requests per engine step (its count: the steps)
+DECODE_STEPS = "flashsplit_decode_step_requests"
 
 
 def prompt_of(length: int, seed: int, vocab: int) -> list[int]:
@@ -108,22 +110,40 @@ def in_process(args, lengths: list[int]) -> dict:
                      for i in range(args.concurrent)], many)
     sync(args.device)
     start = time.perf_counter()
-    engine.generate(prompts, many)
+    for prompt in prompts:  # generate(), counting the steps that gave tokens
+        engine.add_request(prompt, many)
+    steps = 0
+    while engine.scheduler.num_requests:
+        steps += bool(engine.step())
     sync(args.device)
     out["concurrent_s"] = time.perf_counter() - start
-    progress(f"in process, {args.concurrent} concurrent: {out['concurrent_s'] * 1e3:.1f} ms")
+    out["concurrent_steps"] = steps
+    progress(f"in process, {args.concurrent} concurrent: {out['concurrent_s'] * 1e3:.1f} ms, "
+             f"{steps} steps")
     del engine, model
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return out
 
 
+def transport_args(spec: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(both workers' flags, the prefill worker's) of one ``--transports`` entry: a
+    transport, or ``tcp:N`` for ``tcp`` with N connections per handoff."""
+    name, _, connections = spec.partition(":")
+    if not connections:
+        return ("--handoff-transport", name), ()
+    if name != "tcp" or not connections.isdigit():
+        raise ValueError(f"{spec!r}: only tcp takes a connection count (tcp:N)")
+    return ("--handoff-transport", name), ("--handoff-tcp-connections", connections)
+
+
 def disaggregated(args, lengths: list[int], vocab: int, transport: str) -> dict:
     worker_args = ("--device", args.device, "--page-size", str(PAGE_SIZE),
                    "--num-pages", str(args.num_pages), "--num-slots", str(args.concurrent + 2),
                    "--max-prefill-tokens", str(args.max_prefill_tokens),
-                   "--handoff-transport", transport)
-    config = ClusterConfig(model=args.model, worker_args=worker_args, start_timeout_s=900,
+                   *transport_args(transport)[0])
+    config = ClusterConfig(model=args.model, worker_args=worker_args,
+                           prefill_args=transport_args(transport)[1], start_timeout_s=900,
                            metrics=True)
     out: dict = {"timings": {}, "first_tokens": {}}
     with Cluster(config) as cluster:
@@ -176,9 +196,17 @@ async def _measure_split(address: str, args, lengths: list[int], vocab: int,
             return time.perf_counter() - start, [t for t, _ in results]
 
         await concurrent(200)  # warm-up of this batch shape, not measured
+        before = read_histograms(phases.urls)
         out["concurrent_s"], ttfts = await concurrent(100)
+        after = read_histograms(phases.urls)
         out["concurrent_median_ttft_s"] = statistics.median(ttfts)
-        progress(f"split, {args.concurrent} concurrent: {out['concurrent_s'] * 1e3:.1f} ms")
+        # the decode worker's steps: the first tokens came from prefill, in no step of its
+        served, steps = (a - b for a, b in zip(after.get(DECODE_STEPS, (0, 0)),
+                                               before.get(DECODE_STEPS, (0, 0))))
+        out["concurrent_decode_steps"] = steps
+        out["concurrent_mean_decode_batch"] = served / steps if steps else None
+        progress(f"split, {args.concurrent} concurrent: {out['concurrent_s'] * 1e3:.1f} ms, "
+                 f"{steps:.0f} decode steps")
 
 
 def progress(line: str) -> None:
@@ -205,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-pages", type=int, default=6144)
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--transports", default="auto,stream",
-                   help="--handoff-transport values to measure, each its own cluster")
+                   help="--handoff-transport values to measure, each its own cluster; tcp:N "
+                        "is tcp with N connections per handoff")
     p.add_argument("--workdir", default="/tmp/flashsplit-bench")
     p.add_argument("--out", default="out/ttft.json")
     args = p.parse_args(argv)
@@ -245,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     for t in transports:
         same = split[t]["first_tokens"] == local["first_tokens"]
         print(f"{t}: first tokens equal in process: {same}; median TTFT of the "
-              f"{args.concurrent} concurrent: {split[t]['concurrent_median_ttft_s'] * 1e3:.1f} ms")
+              f"{args.concurrent} concurrent: {split[t]['concurrent_median_ttft_s'] * 1e3:.1f} ms"
+              f"; their decode steps: {split[t]['concurrent_decode_steps']:.0f} "
+              f"(in process: {local['concurrent_steps']} steps, prefill included)")
     return 0
 
 

@@ -26,7 +26,8 @@ from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig, default_max_prefill_tokens
 from common.handoff.transports import HANDOFF_TRANSPORTS, takes_tcp_with
 
-
+# a worker process's GIL switch interval (Python's default is 5 ms)
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -213,7 +214,7 @@ def run_worker(args: argparse.Namespace, serve) -> int:
 def setup_process(level: str, log_format: str = "text") -> None:
     """Logging, and a short GIL switch interval: the engine thread and the asyncio loop share
     the GIL, and at the default 5 ms every token waits up to that long to reach the network."""
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     die_with_parent_if_asked()
     setup_logging(level, log_format)
 

@@ -192,6 +192,8 @@ class DecodeEngine(EngineLoop):
     def step(self) -> None:
         events = self.engine.step()
         self.metrics.tokens_emitted(len(events))
+        if events:
+            self.metrics.engine_step(len({event.request_id for event in events}))
         for event in events:
             self._emit(event)
 

@@ -29,16 +29,22 @@ class LayerProgress:
         self._events = [torch.cuda.Event() for _ in range(num_layers)] if cuda else None
         self._queued = 0
         self._failed: BaseException | None = None
-        self._changed = threading.Condition()
+        # one flag per layer, not one condition for all: a reader waiting for layer 30 is
+        # not woken by layers 0..29, and every wake is a round of GIL hand-offs with the
+        # engine thread, whose forward is launch-bound
+        self._ready = [threading.Event() for _ in range(num_layers)]
 
     # engine thread
     def layer_queued(self, layer: int) -> None:
         """Layer ``layer``'s work is queued (the forward's ``after_layer``)."""
         if self._events is not None:
             self._events[layer].record()
-        with self._changed:
-            self._queued = max(self._queued, layer + 1)
-            self._changed.notify_all()
+        self._mark_queued(layer + 1)
+
+    def _mark_queued(self, count: int) -> None:
+        start, self._queued = self._queued, max(self._queued, count)  # before a waiter wakes
+        for ready in self._ready[start:count]:
+            ready.set()
 
     def finish(self) -> None:
         """The whole forward is queued. Layers it never reported (a model that does not call
@@ -47,15 +53,13 @@ class LayerProgress:
             last = torch.cuda.Event()
             last.record()
             self._events[self._queued:] = [last] * (self.num_layers - self._queued)
-        with self._changed:
-            self._queued = self.num_layers
-            self._changed.notify_all()
+        self._mark_queued(self.num_layers)
 
     def fail(self, exc: BaseException) -> None:
         """The forward raised: every wait for a layer it did not queue raises now."""
-        with self._changed:
-            self._failed = exc
-            self._changed.notify_all()
+        self._failed = exc
+        for ready in self._ready:
+            ready.set()
 
     # any thread
     def wait(self, layer: int, timeout_s: float = 600.0) -> torch.cuda.Event | None:
@@ -64,11 +68,9 @@ class LayerProgress:
         raised first, TimeoutError when nothing happened for ``timeout_s``."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
-        with self._changed:
-            if not self._changed.wait_for(
-                    lambda: self._queued > layer or self._failed is not None, timeout_s):
-                raise TimeoutError(f"layer {layer} was not queued within {timeout_s} s")
-            if self._queued <= layer:
-                raise ForwardFailed(f"the forward failed before layer {layer}: "
-                                    f"{self._failed!r}")
+        if not self._ready[layer].wait(timeout_s):
+            raise TimeoutError(f"layer {layer} was not queued within {timeout_s} s")
+        if self._queued <= layer:  # woken by fail()
+            raise ForwardFailed(f"the forward failed before layer {layer}: "
+                                f"{self._failed!r}")
         return None if self._events is None else self._events[layer]

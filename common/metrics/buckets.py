@@ -16,6 +16,8 @@ LATENCY_S = exponential_buckets(0.001, 2.0, 19)
 TOKEN_GAP_S = exponential_buckets(0.00025, 2.0, 16)
 # handoff payloads: 1 KiB to 64 GiB (a long prompt's KV on a large model)
 BYTES = exponential_buckets(1024.0, 4.0, 14)
+# requests in one engine step: 1 to 512
+BATCH = exponential_buckets(1.0, 2.0, 10)
 
 
 def accept_length_buckets(block_size: int) -> tuple[float, ...]:

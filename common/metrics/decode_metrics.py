@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from common.metrics.buckets import BYTES, LATENCY_S, accept_length_buckets
+from common.metrics.buckets import BATCH, BYTES, LATENCY_S, accept_length_buckets
 from common.metrics.samples import sample_total, sums_by_label
 from common.metrics.worker_gauges import LoadSnapshot, WorkerGauges
 
@@ -54,6 +54,10 @@ class DecodeMetrics:
             "Payload bytes landed in the pools per handoff admitted (0 for pool copies).",
             buckets=BYTES,
             registry=r)
+        self.step_requests = Histogram(
+            f"{PREFIX}_step_requests",
+            "Requests that got tokens in one engine step; its count is the steps run.",
+            buckets=BATCH, registry=r)
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)  # present at 0 from the start
         self.handoffs.labels(status="OK")
@@ -84,6 +88,10 @@ class DecodeMetrics:
         """Tokens left the engine (counted once per step: a decode step of a large batch
         emits hundreds)."""
         self.generated_tokens.inc(num_tokens)
+
+    def engine_step(self, num_requests: int) -> None:
+        """One engine step gave ``num_requests`` requests tokens."""
+        self.step_requests.observe(num_requests)
 
     def spec_step(self, accept_length: int) -> None:
         """A request's DFLASH step committed ``accept_length`` tokens."""

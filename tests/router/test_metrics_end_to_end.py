@@ -133,6 +133,9 @@ def test_every_endpoint_moves_by_what_was_served(cluster):
     assert delta(d0, d1, f"{D}_spec_accept_length_sum") == sum(steps)
     assert delta(d0, d1, f"{D}_spec_draft_tokens_total") == len(steps) * 3
     assert delta(d0, d1, f"{D}_spec_accepted_tokens_total") == sum(steps) - len(steps)
+    # each request's DFLASH step is in one engine step, which may carry several requests
+    assert delta(d0, d1, f"{D}_step_requests_sum") == len(steps)
+    assert 0 < delta(d0, d1, f"{D}_step_requests_count") <= len(steps)
 
     for s, prefix in ((p1, P), (d1, D)):
         assert pools_full(s, prefix) and s.value(f"{prefix}_waiting_requests") == 0

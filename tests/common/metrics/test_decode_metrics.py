@@ -51,3 +51,14 @@ def test_dflash_steps_count_drafts_accepted_tokens_and_accept_lengths():
     counters = m.load_counters()
     assert (counters["spec_steps"], counters["spec_committed_tokens"],
             counters["spec_drafted_tokens"]) == (3, 7, 9)
+
+
+def test_engine_steps_count_steps_and_their_batches():
+    m = DecodeMetrics(lambda: LOAD)
+    for batch in (1, 3, 3, 16):
+        m.engine_step(batch)
+    s = scrape_registry(m.registry)
+    assert s.value(f"{P}_step_requests_count") == 4
+    assert s.value(f"{P}_step_requests_sum") == 23
+    assert [s.value(f"{P}_step_requests_bucket", le=le)
+            for le in ("1.0", "2.0", "4.0", "8.0", "16.0")] == [1, 1, 3, 3, 4]
