@@ -74,11 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_args(parser)
     parser.add_argument("--handoff-chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                         help="largest handoff message payload (default: %(default)s)")
-    parser.add_argument("--handoff-tcp-connections", type=int, default=1,
+    parser.add_argument("--handoff-tcp-connections", type=_connection_count, default=None,
+                        metavar="N|auto",
                         help="TCP connections one handoff spreads its chunks over (the tcp "
-                             "transport; a second one gained nothing on a 2-core or a "
-                             "16-core host, docs/protocol.md) (default: %(default)s)")
+                             "transport); auto: two for a payload of 192 MiB or more, else one "
+                             "(docs/protocol.md) (default: auto)")
     return parser
+
+
+def _connection_count(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected auto or a count of at least 1, got {text!r}")
+    return count
 
 
 def main(argv: list[str] | None = None) -> int:

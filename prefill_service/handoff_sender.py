@@ -41,6 +41,19 @@ log = logging.getLogger(__name__)
 
 HANDOFF_METHOD = "/flashsplit.v1.Decode/Handoff"
 DEFAULT_CHUNK_BYTES = 4 << 20
+# ``tcp``: a handoff of at least this many payload bytes takes a second connection unless
+# --handoff-tcp-connections says how many. On the H200 a second one halved the tail of 305 and
+# 1,073 MiB handoffs (8k and 32k tokens of the 4B shape) and slowed 113 MiB ones (2k), whose
+# prefill it slowed more than it sped their bytes (docs/handoff_performance.md, run H)
+SECOND_TCP_CONNECTION_BYTES = 192 << 20
+
+
+def tcp_connections_for(payload_bytes: int, asked: int | None) -> int:
+    """How many TCP connections a handoff of ``payload_bytes`` takes: ``asked``, or by its
+    size when None (``SECOND_TCP_CONNECTION_BYTES``)."""
+    if asked is not None:
+        return asked
+    return 2 if payload_bytes >= SECOND_TCP_CONNECTION_BYTES else 1
 
 
 async def _reply(call, expected: str) -> decode_pb2.HandoffReply:
@@ -92,7 +105,8 @@ class HandoffStream:
 
     def __init__(self, call, header: HeaderPart, reader: StateReader,
                  executor: ThreadPoolExecutor, *, address: str = "", transport: str = "stream",
-                 tcp: TcpConnections | None = None, tcp_connections: int = 1) -> None:
+                 tcp: TcpConnections | None = None, tcp_connections: int | None = None
+                 ) -> None:
         self._call = call
         self.header = header
         self._reader = reader
@@ -111,6 +125,11 @@ class HandoffStream:
         self._stopped = threading.Event()  # tells a sending thread to stop at its next chunk
         self.tcp_chunks = 0
         self.bytes_sent = 0
+
+    @property
+    def tcp_connection_count(self) -> int:
+        """Connections this handoff's chunks are spread over (0: not over TCP)."""
+        return len(self._connections)
 
     @property
     def over_tcp(self) -> bool:
@@ -147,11 +166,13 @@ class HandoffStream:
             return f"{self._address!r} has no TCP host"
         loop = asyncio.get_running_loop()
 
+        count = tcp_connections_for(sum(f.nbytes for f in self.header.manifest.values()),
+                                    self._tcp_count)
+
         def acquire() -> list[TcpConnection]:
             connections = [self._tcp.acquire(host, port)]
             try:
-                connections += [self._tcp.acquire(host, port)
-                                for _ in range(self._tcp_count - 1)]
+                connections += [self._tcp.acquire(host, port) for _ in range(count - 1)]
             except OSError:
                 pass  # fewer connections, same handoff
             return connections
@@ -286,8 +307,9 @@ class HandoffSender:
 
     def __init__(self, reader: StateReader, *, timeout_s: float = 120.0,
                  security: ChannelSecurity = ChannelSecurity(), transport: str = "stream",
-                 shared: SharedPools | None = None, tcp_connections: int = 1) -> None:
-        if tcp_connections < 1:
+                 shared: SharedPools | None = None, tcp_connections: int | None = None
+                 ) -> None:
+        if tcp_connections is not None and tcp_connections < 1:
             raise ValueError(f"--handoff-tcp-connections must be >= 1, got {tcp_connections}")
         if transport == "device" and shared is None:
             raise ValueError("--handoff-transport device needs the pools shared")

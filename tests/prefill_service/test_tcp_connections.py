@@ -13,7 +13,8 @@ import pytest
 
 from common.pb.flashsplit.v1 import decode_pb2
 from decode_service.tcp_listener import TcpHandoffListener
-from prefill_service.handoff_sender import HandoffStream, HandoffTransportError
+from prefill_service.handoff_sender import (SECOND_TCP_CONNECTION_BYTES, HandoffStream,
+                                            HandoffTransportError, tcp_connections_for)
 from prefill_service.tcp_connections import TcpConnections
 from common.handoff.stream import header_of
 from tests.common.handoff.conftest import config, fingerprint, layout, make_payload  # noqa: F401
@@ -79,21 +80,45 @@ class _AcceptingCall:
 
 
 def _open(transport: str, accepted: decode_pb2.HandoffAccepted, connections: TcpConnections,
-          payload):
+          payload, tcp_connections: int | None = None, opened: list | None = None):
+    """Open a handoff of ``payload``: (whether it went over TCP, whether its call was
+    cancelled); ``opened`` gets the number of connections it took."""
     async def scenario():
         call = _AcceptingCall(accepted)
         header = header_of(payload)
         stream = HandoffStream(call, header, reader=None, executor=ThreadPoolExecutor(1),
                                address=f"127.0.0.1:{accepted.tcp_port or 1}",
-                               transport=transport, tcp=connections)
+                               transport=transport, tcp=connections,
+                               tcp_connections=tcp_connections)
         try:
             await stream.open()
         finally:
             over_tcp = stream.over_tcp
+            if opened is not None:
+                opened.append(stream.tcp_connection_count)
             stream.cancel()
         return over_tcp, call.cancelled
 
     return asyncio.run(scenario())
+
+
+def test_a_large_handoff_takes_a_second_connection_unless_told_how_many():
+    limit = SECOND_TCP_CONNECTION_BYTES
+    assert [tcp_connections_for(n, None) for n in (1, limit - 1, limit, 10 * limit)] == \
+        [1, 1, 2, 2]
+    assert tcp_connections_for(10 * limit, 1) == 1
+    assert tcp_connections_for(1, 3) == 3
+
+
+@pytest.mark.parametrize("asked", [None, 3])
+def test_a_handoff_opens_the_connections_it_is_given(asked, make_payload):
+    listener = TcpHandoffListener("127.0.0.1", 0, accepts=lambda token: True)
+    accepted = decode_pb2.HandoffAccepted(handoff_id=1, tcp_port=listener.port,
+                                          tcp_ticket=b"t" * 16)
+    opened: list[int] = []
+    _open("tcp", accepted, TcpConnections(None), make_payload(5), asked, opened)
+    assert opened == [asked or 1]  # a 5-token payload is small: one connection by default
+    listener.close()
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
@@ -172,3 +197,17 @@ def test_frames_that_cannot_be_written_are_released_too():
             break
         time.sleep(0.01)
     assert sorted(released) == list(range(6))
+
+
+def test_the_connection_count_flag_takes_auto_or_a_positive_count():
+    from prefill_service.__main__ import build_parser
+
+    def parsed(*argv):
+        return build_parser().parse_args(list(argv)).handoff_tcp_connections
+
+    assert parsed() is None  # auto: by the handoff's size
+    assert parsed("--handoff-tcp-connections", "auto") is None
+    assert parsed("--handoff-tcp-connections", "2") == 2
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            parsed("--handoff-tcp-connections", bad)

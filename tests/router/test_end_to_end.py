@@ -136,10 +136,13 @@ def test_killed_decode_worker_fails_its_requests_and_others_carry_on():
         decode = [w for w in cluster.workers if w.kind == "decode"]
 
         async def scenario():
+            streaming = [asyncio.Event() for _ in range(6)]
             calls = [asyncio.create_task(generate(
                 cluster.router_address, request_to_pb(token_ids=[i + 1, 2, 3], params=long),
-                timeout_s=60)) for i in range(6)]
-            await asyncio.sleep(0.5)  # all six are streaming by now
+                timeout_s=60, on_tokens=lambda _tokens, seen=seen: seen.set()))
+                for i, seen in enumerate(streaming)]
+            # every request past its first token, so none can be retried elsewhere
+            await asyncio.wait_for(asyncio.gather(*(seen.wait() for seen in streaming)), 30)
             decode[0].popen.send_signal(signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
 
