@@ -3,17 +3,22 @@
 #
 #   bash benchmarks/train_builtin_gpu.sh OUT_DIR [STAGE] [TARGET_SECONDS] [DRAFT_SECONDS]
 #
-# STAGE: target | draft | tau | all (default). Each stage reads what the one before wrote
-# under OUT_DIR, so they can run as separate commands:
+# STAGE: target | draft | tau | serve | all (default: the first three). Each stage reads what
+# the one before wrote under OUT_DIR, so they can run as separate commands:
 #   target (~6 min): the corpus (this interpreter's standard library, PSF licence), the BPE
 #          tokenizer, and the target trained for TARGET_SECONDS (default 300) of wall clock;
 #   draft  (~3 min): the target's own continuations of corpus prompts (data regeneration),
 #          and the draft trained on them for DRAFT_SECONDS (default 120);
 #   tau    (~2 min): mean accept length at blocks 8 and 16, greedy and at temperature 0.7, on
-#          the held-out files, and in-process decode tokens/s with and without the draft.
+#          the held-out files, and in-process decode tokens/s with and without the draft;
+#   serve  (~3 min): output tokens/s through router -> prefill -> decode with DFLASH against
+#          without, at 1, 8 and 32 requests in flight (benchmarks/dflash_serving.py).
+# ARCH=FILE trains another target shape (a JSON of Qwen3_5TextConfig fields, e.g.
+# benchmarks/large_target_arch.json: about 280M parameters); DRAFT_LAYERS (default 2) and
+# TARGET_LAYER_IDS (default 1,3,5, the built-in target's; "" picks z-lab's rule) shape its draft.
 # Results: OUT_DIR/pycoder and OUT_DIR/pycoder-dflash (checkpoints with provenance.json and
 # loss.png), OUT_DIR/ship/ (the two checkpoints as they go into common/model/weights/),
-# OUT_DIR/tau.json and tau.txt. Needs the runtime, `train` and `gpu` extras (transformers,
+# OUT_DIR/tau.json and tau.txt, OUT_DIR/serve.json and serve.txt. Needs the runtime, `train` and `gpu` extras (transformers,
 # fla-core for the GDN backward); PYTHON picks the interpreter (default: python).
 #
 # SMOKE=1 runs every stage on the CPU at toy sizes (a check of the pipeline, minutes; nothing
@@ -28,11 +33,15 @@ DRAFT_SECONDS=${4:-120}
 PY=${PYTHON:-python}
 if [ "${SMOKE:-0}" = 1 ]; then
     DEVICE=cpu TARGET_BATCH=2 DRAFT_BATCH=2 SEQ=64 REGEN_PROMPTS=4 REGEN_TOKENS=32
-    TAU_PROMPTS=2 TAU_TOKENS=8 SPEED=1,2
+    TAU_PROMPTS=2 TAU_TOKENS=8 SPEED=1,2 SERVE_TOKENS=8
 else
     DEVICE=cuda TARGET_BATCH=64 DRAFT_BATCH=32 SEQ=512 REGEN_PROMPTS=6144 REGEN_TOKENS=384
-    TAU_PROMPTS=64 TAU_TOKENS=256 SPEED=1,8,32
+    TAU_PROMPTS=64 TAU_TOKENS=256 SPEED=1,8,32 SERVE_TOKENS=256
 fi
+ARCH_ARGS=()
+if [ -n "${ARCH:-}" ]; then ARCH_ARGS=(--arch "$(cd "$(dirname "$ARCH")" && pwd)/$(basename "$ARCH")"); fi
+LAYER_ID_ARGS=()
+if [ -n "${TARGET_LAYER_IDS-1,3,5}" ]; then LAYER_ID_ARGS=(--target-layer-ids "${TARGET_LAYER_IDS-1,3,5}"); fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -58,7 +67,7 @@ stage_target() {
     "$PY" -m common.training.bpe --corpus "$OUT/corpus" --out "$OUT/tokenizer" --vocab-size 8192
     "$PY" -m common.training.train_target --corpus "$OUT/corpus" --tokenizer "$OUT/tokenizer" \
         --out "$OUT/pycoder" --seconds "$TARGET_SECONDS" --batch-size "$TARGET_BATCH" \
-        --seq-len "$SEQ" --device "$DEVICE"
+        --seq-len "$SEQ" --device "$DEVICE" "${ARCH_ARGS[@]}"
 }
 
 stage_draft() {
@@ -68,7 +77,7 @@ stage_draft() {
         --device "$DEVICE"
     rm -rf "$OUT/pycoder-dflash"
     "$PY" -m router.cli train-draft --target "$OUT/pycoder" --data "$OUT/regen.jsonl" \
-        --out "$OUT/pycoder-dflash" --block-size 16 --layers 2 --target-layer-ids 1,3,5 \
+        --out "$OUT/pycoder-dflash" --block-size 16 --layers "${DRAFT_LAYERS:-2}" "${LAYER_ID_ARGS[@]}" \
         --seconds "$DRAFT_SECONDS" --batch-size "$DRAFT_BATCH" --seq-len "$SEQ" --anchors 32 \
         --lr 1e-3 --checkpoint-every 500 --device "$DEVICE"
     rm -rf "$OUT/ship"
@@ -87,11 +96,20 @@ stage_tau() {
         --speed-batches "$SPEED" --device "$DEVICE" --json "$OUT/tau.json" | tee "$OUT/tau.txt"
 }
 
+stage_serve() {
+    local kernels=()
+    if [ "$DEVICE" = cuda ]; then kernels=(--worker-arg=--kernels --worker-arg=gpu); fi
+    "$PY" -m benchmarks.dflash_serving --model "$OUT/pycoder" --draft "$OUT/pycoder-dflash" \
+        --data "$OUT/corpus/eval.jsonl" --concurrency "$SPEED" --output-len "$SERVE_TOKENS" \
+        --device "$DEVICE" "${kernels[@]}" --out "$OUT/serve.json" | tee "$OUT/serve.txt"
+}
+
 preflight
 case "$STAGE" in
     target) stage_target ;;
     draft) stage_draft ;;
     tau) stage_tau ;;
+    serve) stage_serve ;;
     all) stage_target; stage_draft; stage_tau ;;
-    *) echo "unknown stage $STAGE (target, draft, tau or all)" >&2; exit 2 ;;
+    *) echo "unknown stage $STAGE (target, draft, tau, serve or all)" >&2; exit 2 ;;
 esac

@@ -1,0 +1,152 @@
+"""DFLASH through the split: output tokens/s with the draft against without, per concurrency.
+
+One cluster (router -> prefill -> decode, real processes) serves the target with ``--draft``;
+`flashsplit bench`'s runner drives it over gRPC at each ``--concurrency``, the same requests
+twice in a row: with speculation off, then on (``speculative`` is each request's own choice, so
+both halves run on the same processes and device, seconds apart). Prompts are evenly spaced
+windows of ``--prompt-tokens`` tokens of held-out text (the corpus's ``eval.jsonl``), sent as
+text; each asks for exactly ``--output-len`` tokens, greedy by default. τ (tokens per DFLASH
+step) is read from the decode worker's ``spec_accept_length`` histogram around each run.
+
+    python -m benchmarks.dflash_serving --model pycoder --draft pycoder \\
+        --data CORPUS/eval.jsonl [--concurrency 1,8,32] [--device cuda] [--out out/x.json]
+
+Prints the table last; ``--out`` gets every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.phase_metrics import read_histograms
+from router.bench.config import BenchConfig, LengthDist, Load
+from router.bench.runner import run_bench
+from router.cluster import Cluster, ClusterConfig
+
+ACCEPT_LENGTH = "flashsplit_decode_spec_accept_length"
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    model: str
+    draft: str
+    data: str
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    prompts_per_slot: int = 2  # requests per point: this many per request in flight
+    prompt_tokens: int = 128
+    output_len: int = 128
+    temperature: float = 0.0
+    device: str = "cpu"
+    worker_args: tuple[str, ...] = ()
+
+
+def prompt_texts(config: ServingConfig, count: int) -> list[str]:
+    """``count`` evenly spaced windows of the held-out data, as text."""
+    from common.model.load import eos_token_ids_for, load_config
+    from common.tokenizer import load_tokenizer
+    from common.training.token_data import read_documents, spaced_windows, token_stream
+
+    tokenizer = load_tokenizer(config.model)
+    eos = eos_token_ids_for(config.model, load_config(config.model))
+    stream = token_stream(read_documents(config.data), tokenizer,
+                          separator=eos[0] if eos else None)
+    windows = spaced_windows(stream, config.prompt_tokens, count).tolist()
+    return [tokenizer.decode(w) for w in windows]
+
+
+def run(config: ServingConfig, *, progress=print) -> list[dict]:
+    """One row per concurrency: plain and DFLASH throughput, their ratio, and τ."""
+    count = config.prompts_per_slot * max(config.concurrency)
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = Path(tmp) / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": t}) + "\n"
+                                   for t in prompt_texts(config, count)))
+        worker_args = ("--device", config.device, "--draft", config.draft, *config.worker_args)
+        with Cluster(ClusterConfig(model=config.model, worker_args=worker_args,
+                                   metrics=True, start_timeout_s=900)) as cluster:
+            decode_metrics = [w.metrics_url for w in cluster.workers if w.kind == "decode"]
+            rows = []
+            for c in config.concurrency:
+                row: dict = {"concurrency": c, "requests": config.prompts_per_slot * c}
+                for name, speculative in (("plain", False), ("dflash", True)):
+                    before = read_histograms(decode_metrics).get(ACCEPT_LENGTH, (0.0, 0.0))
+                    bench = BenchConfig(
+                        backend="grpc", url=cluster.router_address, loads=(Load(concurrency=c),),
+                        num_prompts=row["requests"], prompts_file=str(prompts),
+                        output_len=LengthDist(config.output_len, config.output_len),
+                        temperature=config.temperature, speculative=speculative, warmup=1,
+                        json_path=None, plot_path=None, progress=False)
+                    (point,) = asyncio.run(run_bench(bench)).points
+                    after = read_histograms(decode_metrics).get(ACCEPT_LENGTH, (0.0, 0.0))
+                    s = point.summary
+                    if s.failed:
+                        raise RuntimeError(f"{s.failed} {name} requests failed at "
+                                           f"concurrency {c}")
+                    steps = after[1] - before[1]
+                    row[name] = {"output_tokens_per_s": s.output_throughput,
+                                 "tpot_p50_ms": s.tpot.p50, "ttft_p50_ms": s.ttft.p50,
+                                 "output_tokens": s.output_tokens,
+                                 # the warm-up request's steps are in the difference too
+                                 "tau": (after[0] - before[0]) / steps if steps else None}
+                    progress(f"concurrency {c}, {name}: {s.output_throughput:.1f} output "
+                             f"tokens/s, TPOT p50 {s.tpot.p50:.1f} ms")
+                row["speedup"] = (row["dflash"]["output_tokens_per_s"]
+                                  / row["plain"]["output_tokens_per_s"])
+                rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'concurrency':>11} {'plain tok/s':>12} {'DFLASH tok/s':>13} {'speedup':>8} "
+             f"{'tau':>5} {'TPOT plain ms':>14} {'TPOT DFLASH ms':>15}"]
+    for r in rows:
+        p, d = r["plain"], r["dflash"]
+        tau = "-" if d["tau"] is None else f"{d['tau']:.2f}"
+        lines.append(f"{r['concurrency']:>11} {p['output_tokens_per_s']:>12.1f} "
+                     f"{d['output_tokens_per_s']:>13.1f} {r['speedup']:>8.2f} {tau:>5} "
+                     f"{p['tpot_p50_ms']:>14.1f} {d['tpot_p50_ms']:>15.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.dflash_serving",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="target directory or built-in name")
+    p.add_argument("--draft", required=True, help="draft directory or built-in name")
+    p.add_argument("--data", required=True, help="held-out text (e.g. CORPUS/eval.jsonl)")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--prompts-per-slot", type=int, default=ServingConfig.prompts_per_slot,
+                   help="requests per load point, per request in flight")
+    p.add_argument("--prompt-tokens", type=int, default=ServingConfig.prompt_tokens)
+    p.add_argument("--output-len", type=int, default=ServingConfig.output_len)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="one more worker flag (repeat it: --worker-arg=--kernels "
+                        "--worker-arg=gpu)")
+    p.add_argument("--out", default="out/dflash_serving.json")
+    args = p.parse_args(argv)
+    config = ServingConfig(
+        model=args.model, draft=args.draft, data=args.data,
+        concurrency=tuple(int(c) for c in args.concurrency.split(",") if c),
+        prompts_per_slot=args.prompts_per_slot, prompt_tokens=args.prompt_tokens,
+        output_len=args.output_len, temperature=args.temperature, device=args.device,
+        worker_args=tuple(args.worker_arg))
+    rows = run(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "config": vars(args),
+                               "rows": rows}, indent=2) + "\n")
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

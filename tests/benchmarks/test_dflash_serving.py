@@ -1,0 +1,32 @@
+"""benchmarks/dflash_serving.py: one cluster with a draft, each concurrency run with
+speculation off and on, τ read from the decode worker (the built-in tiny pair, on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.dflash_serving import ServingConfig, format_table, run
+
+
+@pytest.fixture
+def held_out(tmp_path):
+    path = tmp_path / "held_out.txt"
+    path.write_text("def add(a, b):\n    return a + b\n\n" * 40)
+    return str(path)
+
+
+def test_each_concurrency_runs_plain_then_speculative_on_the_same_cluster(held_out):
+    config = ServingConfig(model="tiny", draft="tiny", data=held_out, concurrency=(1, 2),
+                           prompts_per_slot=1, prompt_tokens=16, output_len=8)
+    rows = run(config, progress=lambda line: None)
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        plain, dflash = r["plain"], r["dflash"]
+        # exactly the requested tokens per measured request, both ways
+        assert plain["output_tokens"] == dflash["output_tokens"] == r["requests"] * 8
+        assert plain["tau"] is None  # speculation off: the draft took no step
+        assert 1.0 <= dflash["tau"] <= 16
+        assert r["speedup"] == pytest.approx(dflash["output_tokens_per_s"]
+                                             / plain["output_tokens_per_s"])
+    table = format_table(rows)
+    assert table.splitlines()[0].split()[0] == "concurrency" and len(table.splitlines()) == 3
