@@ -180,6 +180,8 @@ async def _measure_split(address: str, args, lengths: list[int], vocab: int,
             out[n] = statistics.median(times)
             out["timings"][n] = {"client_ttft_s": times,
                                  "router_ttft_s": last.time_to_first_token_s,
+                                 # from the Prefill call's arrival: the handoff's opening too
+                                 "prefill_call_queue_s": last.prefill_queue_s,
                                  **phases.stop()}
             out["first_tokens"][n] = last.token_ids[0]
             phase_ms = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in out["timings"][n].items()
@@ -263,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                         for t in transports)
         print(f"{name:<34} {a * 1e3:>9.1f}ms{cells}")
     # where the disaggregated time goes: the workers' own histograms, means over the repeats
-    columns = [c for c, _ in PHASES]
+    # the router's TTFT, the prefill worker's queue as it reports it (from the call's arrival,
+    # so with the handoff's opening), then the workers' histograms
+    columns = ["router_ttft_s", "prefill_call_queue_s", *(c for c, _ in PHASES)]
     print(f"\n{'phases (ms)':<22} {'client TTFT':>11}" + "".join(f" {c:>17}" for c in columns))
     for t in transports:
         for n in lengths:

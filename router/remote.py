@@ -34,6 +34,11 @@ class Completion:
     time_to_first_token_s: float = 0.0
     inter_token_latencies_s: list[float] = field(default_factory=list)
     total_s: float = 0.0
+    # the prefill worker's own account (PrefillTimings): queue_s runs from the call's arrival,
+    # so it holds the handoff's opening (decode's reservation) besides the engine's queue
+    prefill_queue_s: float = 0.0
+    prefill_s: float = 0.0
+    handoff_s: float = 0.0
     seconds: float = 0.0  # wall time of the call at the client
 
 
@@ -86,5 +91,8 @@ async def generate(address: str, request: generation_pb2.GenerateRequest, *,
                 out.time_to_first_token_s = msg.timings.time_to_first_token_s
                 out.inter_token_latencies_s = list(msg.timings.inter_token_latencies_s)
                 out.total_s = msg.timings.total_s
+                out.prefill_queue_s = msg.timings.prefill_queue_s
+                out.prefill_s = msg.timings.prefill_s
+                out.handoff_s = msg.timings.handoff_s
     out.seconds = time.perf_counter() - start
     return out

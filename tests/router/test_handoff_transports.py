@@ -33,6 +33,11 @@ def run(prefill: str, decode: str, draft: bool = False):
         load = asyncio.run(worker_load(prefill_worker.address, "prefill",
                                        cluster.internal_token))
     assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
+    # the prefill worker's own timings reach the client: its queue (from the call's arrival,
+    # the handoff's opening included), prefill and unhidden handoff, within the router's TTFT
+    for o in outs:
+        assert 0 < o.prefill_queue_s and 0 < o.prefill_s and 0 < o.handoff_s
+        assert o.prefill_queue_s + o.prefill_s < o.time_to_first_token_s
     return outs, load.counters
 
 
