@@ -29,10 +29,11 @@ class LayerProgress:
         self._events = [torch.cuda.Event() for _ in range(num_layers)] if cuda else None
         self._queued = 0
         self._failed: BaseException | None = None
-        # one flag per layer, not one condition for all: a reader waiting for layer 30 is
-        # not woken by layers 0..29, and every wake is a round of GIL hand-offs with the
-        # engine thread, whose forward is launch-bound
-        self._ready = [threading.Event() for _ in range(num_layers)]
+        self._lock = threading.Lock()
+        # each waiting reader's layer and its own flag: a reader waiting for layer 30 is not
+        # woken by layers 0..29 (every wake is a round of GIL hand-offs with the engine
+        # thread, whose forward is launch-bound), and the engine thread makes no flags
+        self._waiters: list[tuple[int, threading.Event]] = []
 
     # engine thread
     def layer_queued(self, layer: int) -> None:
@@ -42,9 +43,15 @@ class LayerProgress:
         self._mark_queued(layer + 1)
 
     def _mark_queued(self, count: int) -> None:
-        start, self._queued = self._queued, max(self._queued, count)  # before a waiter wakes
-        for ready in self._ready[start:count]:
-            ready.set()
+        with self._lock:
+            self._queued = max(self._queued, count)
+            if not self._waiters:
+                return
+            woken = [flag for layer, flag in self._waiters if layer < self._queued]
+            self._waiters = [(layer, flag) for layer, flag in self._waiters
+                             if layer >= self._queued]
+        for flag in woken:
+            flag.set()
 
     def finish(self) -> None:
         """The whole forward is queued. Layers it never reported (a model that does not call
@@ -57,9 +64,11 @@ class LayerProgress:
 
     def fail(self, exc: BaseException) -> None:
         """The forward raised: every wait for a layer it did not queue raises now."""
-        self._failed = exc
-        for ready in self._ready:
-            ready.set()
+        with self._lock:
+            self._failed = exc
+            waiters, self._waiters = self._waiters, []
+        for _, flag in waiters:
+            flag.set()
 
     # any thread
     def wait(self, layer: int, timeout_s: float = 600.0) -> torch.cuda.Event | None:
@@ -68,7 +77,14 @@ class LayerProgress:
         raised first, TimeoutError when nothing happened for ``timeout_s``."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
-        if not self._ready[layer].wait(timeout_s):
+        flag = None
+        with self._lock:
+            if self._queued <= layer and self._failed is None:
+                flag = threading.Event()
+                self._waiters.append((layer, flag))
+        if flag is not None and not flag.wait(timeout_s):
+            with self._lock:
+                self._waiters = [w for w in self._waiters if w[1] is not flag]
             raise TimeoutError(f"layer {layer} was not queued within {timeout_s} s")
         if self._queued <= layer:  # woken by fail()
             raise ForwardFailed(f"the forward failed before layer {layer}: "

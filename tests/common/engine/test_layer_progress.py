@@ -55,3 +55,35 @@ def test_waits_time_out_and_check_the_layer():
         progress.wait(0, timeout_s=0.01)
     with pytest.raises(ValueError):
         progress.wait(2)
+
+
+def test_readers_of_different_layers_each_wake_at_their_own_layer():
+    progress = LayerProgress(4, cuda=False)
+    woke: list[int] = []
+    lock = threading.Lock()
+
+    def reader(layer):
+        progress.wait(layer)
+        with lock:
+            woke.append(layer)
+
+    threads = [threading.Thread(target=reader, args=(layer,)) for layer in (3, 1, 2)]
+    for thread in threads:
+        thread.start()
+    for layer in range(4):
+        progress.layer_queued(layer)
+        for _ in range(500):  # until the reader of this layer has returned
+            with lock:
+                if layer == 0 or layer in woke:
+                    break
+            threading.Event().wait(0.01)
+        with lock:
+            assert woke == [n for n in (1, 2, 3) if n <= layer]  # none early, none late
+    for thread in threads:
+        thread.join(5)
+    # a wait that timed out leaves the progress as it was for later readers
+    late = LayerProgress(2, cuda=False)
+    with pytest.raises(TimeoutError):
+        late.wait(1, timeout_s=0.01)
+    late.layer_queued(1)
+    assert late.wait(1) is None
