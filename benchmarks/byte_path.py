@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from benchmarks.copy_costs import checksum_rates, copy_rates
-from common.handoff.checksum import crc32c, crc32c_combine, crc32c_strip_prefix
+from common.handoff.checksum import crc32c, crc32c_combine
+from common.handoff.ledger import message_payload_crc
 from common.handoff.chunk_codec import decode_chunk, encode_chunk
 from common.pb.flashsplit.v1 import decode_pb2 as pb
 
@@ -50,8 +51,8 @@ class StreamCase:
     """One gRPC configuration: encoding (``protobuf`` or ``pre-encoded``), payload bytes per
     message, concurrent streams, whether each stream has its own TCP connection, and where both
     ends checksum every message with CRC-32C: ``none``, on the ``loop`` thread (over the
-    payload), or on worker ``threads`` (over the whole message, read in place without the
-    GIL, less the prefix's CRC)."""
+    payload), or on worker ``threads`` (over the payload inside the message, read in place
+    without the GIL, as the workers do)."""
 
     encoding: str
     message_bytes: int
@@ -85,10 +86,8 @@ def grpc_options(message_bytes: int) -> list[tuple[str, int]]:
 
 
 def _payload_crc(message: bytes, payload_bytes: int) -> int:
-    """CRC-32C of the last ``payload_bytes`` of ``message``, reading ``message`` as a whole
-    (the GIL is released over it)."""
-    prefix = len(message) - payload_bytes
-    return crc32c_strip_prefix(crc32c(message), crc32c(message[:prefix]), payload_bytes)
+    """CRC-32C of the last ``payload_bytes`` of ``message``, as the workers take it."""
+    return message_payload_crc(message, len(message) - payload_bytes)
 
 
 def _fold(crcs: list[tuple[int, int]]) -> int:

@@ -138,13 +138,12 @@ def transport_args(spec: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def disaggregated(args, lengths: list[int], vocab: int, transport: str) -> dict:
+    both, prefill_only = transport_args(transport)
     worker_args = ("--device", args.device, "--page-size", str(PAGE_SIZE),
                    "--num-pages", str(args.num_pages), "--num-slots", str(args.concurrent + 2),
-                   "--max-prefill-tokens", str(args.max_prefill_tokens),
-                   *transport_args(transport)[0])
-    config = ClusterConfig(model=args.model, worker_args=worker_args,
-                           prefill_args=transport_args(transport)[1], start_timeout_s=900,
-                           metrics=True)
+                   "--max-prefill-tokens", str(args.max_prefill_tokens), *both)
+    config = ClusterConfig(model=args.model, worker_args=worker_args, prefill_args=prefill_only,
+                           start_timeout_s=900, metrics=True)
     out: dict = {"timings": {}, "first_tokens": {}}
     with Cluster(config) as cluster:
         phases = PhaseScraper([w.metrics_url for w in cluster.workers if w.metrics_url])

@@ -33,8 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.handoff.host_buffers import (HostBuffer, HostBufferPool, HostBufferPoolClosed,
-                                         HostBufferPoolConfig)
+from common.handoff.host_buffers import HostBuffer, HostBufferPool, HostBufferPoolConfig
 from common.handoff.tcp_frames import (FRAME_HEADER_BYTES, OK, TICKET_BYTES, FrameError,
                                        parse_frame_header, read_hello)
 
@@ -160,7 +159,6 @@ class TcpHandoffListener:
         self._connections: set[socket.socket] = set()
         self._readers: set[threading.Thread] = set()
         self._closed = threading.Event()
-        self._pinned = pin_memory
         self.fresh_buffers = 0  # frames that found the pool full and got a buffer of their own
         self.buffers = HostBufferPool(HostBufferPoolConfig(buffer_bytes, pin_memory=pin_memory))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -296,17 +294,13 @@ class TcpHandoffListener:
     def _buffer(self, nbytes: int) -> tuple[torch.Tensor, HostBuffer | None]:
         """A host tensor of ``nbytes`` to read a frame into: a piece of the pool when it has
         room now, else a fresh allocation (never a wait: see the module's docstring)."""
-        if nbytes <= self.buffers.capacity_bytes:
-            try:
-                buffer = self.buffers.try_acquire(nbytes)
-            except HostBufferPoolClosed:  # the listener is closing
-                buffer = None
-            if buffer is not None:
-                return buffer.tensor, buffer
-        with self._lock:
-            self.fresh_buffers += 1
-        # pinned: torch's caching host allocator keeps the block for the next one after it
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned), None
+        # a closed pool (the listener closing) gives fresh memory: a reader still running
+        # reads its frame to the end
+        host, buffer = self.buffers.acquire_now(nbytes, closed_ok=True)
+        if buffer is None:
+            with self._lock:
+                self.fresh_buffers += 1
+        return host, buffer
 
 
 def _read_into(reader, view: memoryview) -> None:

@@ -166,8 +166,7 @@ class HandoffStream:
             return f"{self._address!r} has no TCP host"
         loop = asyncio.get_running_loop()
 
-        count = tcp_connections_for(sum(f.nbytes for f in self.header.manifest.values()),
-                                    self._tcp_count)
+        count = tcp_connections_for(self.header.payload_nbytes, self._tcp_count)
 
         def acquire() -> list[TcpConnection]:
             connections = [self._tcp.acquire(host, port)]

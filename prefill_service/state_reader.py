@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.handoff.checksum import crc32c
 from common.handoff.chunk_codec import chunk_prefix, encode_chunk
 from common.handoff.host_buffers import HostBuffer, HostBufferPool, HostBufferPoolConfig
 from common.handoff.ledger import LayerLedger
@@ -252,10 +251,7 @@ class StateReader:
                 self._stream.wait_event(event)
             # never waits: when the pool is short (another reader holds it), torch's caching
             # pinned allocator serves instead
-            buffer = (self.host_buffers.try_acquire(nbytes)
-                      if nbytes <= self.host_buffers.capacity_bytes else None)
-            host = (buffer.tensor if buffer is not None
-                    else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+            host, buffer = self.host_buffers.acquire_now(nbytes)
             devices, pos = [], 0
             for piece in batch:
                 device = piece.gather().contiguous()
@@ -382,8 +378,7 @@ def checked_runs(name: str, layer: int, offset: int, data: memoryview,
     where = f"{name} layer {layer}"
     for start in range(0, len(data), run_bytes):
         piece = data[start:start + run_bytes]
-        ledger.claim(offset + start, len(piece), where)
-        ledger.record(offset + start, crc32c(piece))
+        ledger.add(offset + start, piece, where)
         yield offset + start, piece
 
 

@@ -151,12 +151,6 @@ class Crc32Polynomial:
         _check_crcs(crc1=crc1, crc2=crc2)
         return self.shift(crc1, len2) ^ crc2
 
-    def strip_prefix(self, crc_whole: int, crc_prefix: int, len_rest: int) -> int:
-        """CRC of ``b`` from the CRC of ``a + b``, the CRC of ``a`` and ``len_rest = len(b)``
-        (``combine`` solved for its second CRC)."""
-        _check_crcs(crc_whole=crc_whole, crc_prefix=crc_prefix)
-        return self.shift(crc_prefix, len_rest) ^ crc_whole
-
 
 def _check_crcs(**crcs: int) -> None:
     for name, crc in crcs.items():
@@ -172,10 +166,6 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     """``crc32c(a + b)`` from ``crc1 = crc32c(a)``, ``crc2 = crc32c(b)`` and ``len2 = len(b)``."""
     return CRC32C.combine(crc1, crc2, len2)
 
-
-def crc32c_strip_prefix(crc_whole: int, crc_prefix: int, len_rest: int) -> int:
-    """``crc32c(b)`` from ``crc32c(a + b)``, ``crc32c(a)`` and ``len(b)``."""
-    return CRC32C.strip_prefix(crc_whole, crc_prefix, len_rest)
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:

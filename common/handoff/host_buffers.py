@@ -180,6 +180,24 @@ class HostBufferPool:
             offset = self._take(size)
             return None if offset is None else self._hand_out(offset, nbytes, size)
 
+    def acquire_now(self, nbytes: int, *, closed_ok: bool = False
+                    ) -> tuple[torch.Tensor, HostBuffer | None]:
+        """``nbytes`` of host memory at once, never waiting: a buffer of the pool when one is
+        free now (its ``tensor``, and the buffer to release), else a fresh uint8 tensor pinned
+        like the pool, and None (a request larger than the pool too; torch's caching host
+        allocator keeps a pinned block for the next one). Raises ``HostBufferPoolClosed`` once
+        the pool is closed, unless ``closed_ok`` (then the memory is fresh)."""
+        buffer = None
+        if nbytes <= self.capacity_bytes:
+            try:
+                buffer = self.try_acquire(nbytes)
+            except HostBufferPoolClosed:
+                if not closed_ok:
+                    raise
+        if buffer is not None:
+            return buffer.tensor, buffer
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned), None
+
     def release(self, buffer: HostBuffer) -> None:
         """Return ``buffer``'s bytes to the pool and wake waiters. Allowed after ``close``.
         ValueError if the buffer is not this pool's or was released already."""

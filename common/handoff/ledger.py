@@ -85,11 +85,14 @@ def new_ledgers(manifest: dict[str, FieldSpec]) -> dict[tuple[str, int], LayerLe
 
 def fold_checksums(manifest: dict[str, FieldSpec],
                    ledgers: dict[tuple[str, int], LayerLedger]) -> dict[str, int]:
-    """The trailer's CRC of each field, from what was encoded (raises if bytes are missing)."""
+    """The CRC of each field of ``manifest`` over its layers' ledgers (a layer without one
+    has no bytes): the sender's trailer, and what the receiver checks it against. DATA_LOSS
+    if any byte is missing."""
     checksums = {}
     for name, spec in manifest.items():
         crc = 0
         for layer in range(spec.num_layers):
-            crc = ledgers[(name, layer)].fold(crc, f"{name} layer {layer}")
+            ledger = ledgers.get((name, layer)) or LayerLedger(spec.layer_nbytes)
+            crc = ledger.fold(crc, f"field {name!r} layer {layer}")
         checksums[name] = crc
     return checksums

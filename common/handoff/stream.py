@@ -15,7 +15,7 @@ import torch
 from common.handoff.checksum import crc32c
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
-from common.handoff.ledger import LayerLedger
+from common.handoff.ledger import LayerLedger, fold_checksums
 from common.handoff.manifest import KNOWN_FIELDS, validate_manifest
 from common.handoff.parts import ChunkPart, HandoffPart, HeaderPart, PoolCopyPart, TrailerPart
 from common.handoff.pool_copies import PoolCopyLedger
@@ -257,13 +257,9 @@ class HandoffAssembler:
                                    f"{sorted(streamed)}")
             for name in copied:
                 self._copies.check_complete(name)
-            for name, spec in manifest.items():
-                if name in copied:
-                    continue
-                crc = 0
-                for layer in range(spec.num_layers):
-                    ledger = self._ledgers.get((name, layer), LayerLedger(spec.layer_nbytes))
-                    crc = ledger.fold(crc, f"field {name!r} layer {layer}")
+            received = fold_checksums({n: spec for n, spec in manifest.items() if n in streamed},
+                                      self._ledgers)
+            for name, crc in received.items():
                 if crc != trailer.checksums[name]:
                     raise HandoffError("DATA_LOSS", f"field {name!r}: crc32c {crc:#010x} of the "
                                        f"bytes received, trailer says "

@@ -15,7 +15,7 @@ import torch
 import crc32c as crc32c_package
 from common.handoff import checksum
 from common.handoff.checksum import (CRC32, CRC32C, Crc32Polynomial, crc32_combine, crc32c,
-                                     crc32c_combine, crc32c_strip_prefix,
+                                     crc32c_combine,
                                      fast_crc32c_available)
 
 CHECK = b"123456789"
@@ -85,8 +85,6 @@ def test_refuses_caller_mistakes():
         crc32c_combine(0, 0, -1)
     with pytest.raises(ValueError):
         crc32c_combine(-1, 0, 1)
-    with pytest.raises(ValueError, match="crc_whole"):
-        crc32c_strip_prefix(1 << 32, 0, 1)
     with pytest.raises(ValueError, match="polynomial"):
         Crc32Polynomial(0x1EDC6F41)  # the normal (not reflected) form of Castagnoli's
 
@@ -108,14 +106,6 @@ def test_zlib_polynomial_combine_equals_zlib(len_a, len_b):
     a, b = rng.randbytes(len_a), rng.randbytes(len_b)
     crc_a, crc_b = zlib.crc32(a), zlib.crc32(b)
     assert crc32_combine(crc_a, crc_b, len(b)) == zlib.crc32(a + b)
-
-
-@pytest.mark.parametrize("len_a,len_b", SPLITS)
-def test_strip_prefix_recovers_the_rest(len_a, len_b):
-    rng = random.Random(3 * len_a + len_b)
-    a, b = rng.randbytes(len_a), rng.randbytes(len_b)
-    assert crc32c_strip_prefix(crc32c(a + b), crc32c(a), len(b)) == crc32c(b)
-    assert CRC32.strip_prefix(zlib.crc32(a + b), zlib.crc32(a), len(b)) == zlib.crc32(b)
 
 
 def test_random_splits_fold_in_order():

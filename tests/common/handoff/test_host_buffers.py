@@ -64,6 +64,23 @@ def test_try_acquire_never_blocks_and_acquire_times_out():
     assert p.bytes_in_use == 0
 
 
+def test_acquire_now_takes_a_free_buffer_else_fresh_memory_and_never_waits():
+    p = pool(capacity=8 * KIB, pin_memory=False)
+    host, buffer = p.acquire_now(4 * KIB)  # room: a piece of the pool
+    assert buffer is not None and host.data_ptr() == buffer.tensor.data_ptr()
+    full, none = p.acquire_now(8 * KIB)  # no room now: fresh memory, the pool untouched
+    assert none is None and full.numel() == 8 * KIB and full.dtype == torch.uint8
+    large, none = p.acquire_now(16 * KIB)  # larger than the pool
+    assert none is None and large.numel() == 16 * KIB
+    assert p.num_buffers == 1
+    buffer.release()
+    p.close()
+    with pytest.raises(HostBufferPoolClosed):
+        p.acquire_now(1)
+    fresh, none = p.acquire_now(1, closed_ok=True)
+    assert none is None and fresh.numel() == 1
+
+
 def test_acquire_waits_for_a_release_from_another_thread():
     p = pool(capacity=8 * KIB)
     held = p.acquire(8 * KIB)
