@@ -16,6 +16,9 @@
 # ARCH=FILE trains another target shape (a JSON of Qwen3_5TextConfig fields, e.g.
 # benchmarks/large_target_arch.json: about 280M parameters); DRAFT_LAYERS (default 2) and
 # TARGET_LAYER_IDS (default 1,3,5, the built-in target's; "" picks z-lab's rule) shape its draft.
+# On a GPU, REGEN_PROMPTS (6144) and REGEN_TOKENS (384) size the draft's regenerated data, and
+# TAU_PROMPTS (64) and TAU_TOKENS (256) the τ benchmark: fewer for a larger target whose stage
+# must fit a time limit.
 # Results: OUT_DIR/pycoder and OUT_DIR/pycoder-dflash (checkpoints with provenance.json and
 # loss.png), OUT_DIR/ship/ (the two checkpoints as they go into common/model/weights/),
 # OUT_DIR/tau.json and tau.txt, OUT_DIR/serve.json and serve.txt. Needs the runtime, `train` and `gpu` extras (transformers,
@@ -35,8 +38,9 @@ if [ "${SMOKE:-0}" = 1 ]; then
     DEVICE=cpu TARGET_BATCH=2 DRAFT_BATCH=2 SEQ=64 REGEN_PROMPTS=4 REGEN_TOKENS=32
     TAU_PROMPTS=2 TAU_TOKENS=8 SPEED=1,2 SERVE_TOKENS=8
 else
-    DEVICE=cuda TARGET_BATCH=64 DRAFT_BATCH=32 SEQ=512 REGEN_PROMPTS=6144 REGEN_TOKENS=384
-    TAU_PROMPTS=64 TAU_TOKENS=256 SPEED=1,8,32 SERVE_TOKENS=256
+    DEVICE=cuda TARGET_BATCH=64 DRAFT_BATCH=32 SEQ=512
+    REGEN_PROMPTS=${REGEN_PROMPTS:-6144} REGEN_TOKENS=${REGEN_TOKENS:-384}
+    TAU_PROMPTS=${TAU_PROMPTS:-64} TAU_TOKENS=${TAU_TOKENS:-256} SPEED=1,8,32 SERVE_TOKENS=256
 fi
 ARCH_ARGS=()
 if [ -n "${ARCH:-}" ]; then ARCH_ARGS=(--arch "$(cd "$(dirname "$ARCH")" && pwd)/$(basename "$ARCH")"); fi

@@ -93,6 +93,9 @@ class FirstToken:
 
     token_id: int
     logprobs: TokenLogprobs | None = None
+    # time.perf_counter() when the step that sampled it returned (0.0: not recorded): the end
+    # of the prefill, however late the caller's thread takes the result up
+    sampled_at: float = 0.0
 
 
 class PrefillEngine(EngineLoop):
@@ -222,7 +225,8 @@ class PrefillEngine(EngineLoop):
                 started = self._started[key] = began
                 self.metrics.prompt_started(began - self._submitted[key])
             event = events.get(key)
-            first = None if event is None else FirstToken(event.token_id, event.logprobs)
+            first = None if event is None else FirstToken(event.token_id, event.logprobs,
+                                                             ended)
             pages = self._final_pages(req, req.num_cached)
             if first is None and pages == self._reported[key] and key not in self._broken:
                 continue  # this chunk completed no page (or its forward reported them)

@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-timeout", type=float, default=RegistryConfig.poll_timeout_s,
                    help="seconds a worker's load report may take before the worker counts as "
                         "down (default: %(default)s)")
+    p.add_argument("--poll-misses", type=int, default=RegistryConfig.misses_before_down,
+                   metavar="N",
+                   help="polls in a row a healthy worker may leave unanswered in time before "
+                        "it counts as down; an error answer counts at once "
+                        "(default: %(default)s)")
     p.add_argument("--max-attempts", type=int, default=DispatchConfig.max_attempts,
                    help="worker pairs tried per request before giving up")
     p.add_argument("--max-queue-wait", type=float, default=DispatchConfig.max_queue_wait_s,
@@ -101,6 +106,7 @@ def config_from_args(args: argparse.Namespace,
         host=args.host, port=args.port,
         registry=RegistryConfig(poll_interval_s=args.poll_interval,
                                 poll_timeout_s=args.poll_timeout,
+                                misses_before_down=args.poll_misses,
                                 backoff_max_s=args.worker_backoff_max),
         discovery=DiscoveryConfig(interval_s=args.discovery_interval),
         clients=ClientConfig(), dispatch=DispatchConfig(

@@ -51,6 +51,11 @@ class WorkerCallError(Exception):
         self.details = details
 
 
+class WorkerTimeout(WorkerCallError, TimeoutError):
+    """A call to a worker ran out of its deadline (DEADLINE_EXCEEDED): the worker may be alive
+    and late, which the registry treats apart from a refusal."""
+
+
 @dataclass(frozen=True)
 class PrefillCall:
     """What the router asks of a prefill worker."""
@@ -94,7 +99,8 @@ def _finish_reason(value: int) -> str | None:
 
 
 def _error(exc: grpc.aio.AioRpcError, address: str, method: str) -> WorkerCallError:
-    return WorkerCallError(address, method, exc.code(), exc.details() or "")
+    kind = WorkerTimeout if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else WorkerCallError
+    return kind(address, method, exc.code(), exc.details() or "")
 
 
 class DecodeStream:

@@ -3,7 +3,12 @@
 A background task asks every worker for its load (``GetLoad``) every ``poll_interval_s``. An
 answer marks the worker healthy and stores the report; a failure (or the dispatcher's
 ``mark_failed``) marks it down, and a down worker is asked again only after an exponential backoff,
-so a dead address costs one short timeout per backoff period instead of one per poll.
+so a dead address costs one short timeout per backoff period instead of one per poll. A
+healthy worker that only answers late (a poll that times out) stays in rotation until it has
+missed ``misses_before_down`` polls in a row: a worker's event loop can wait seconds behind its
+engine thread (a kernel compiling on first use holds the GIL), and one late answer would
+otherwise fail every request dispatched meanwhile. An error answer (a refused connection,
+NOT_SERVING) marks it down at once, as does the dispatcher's ``mark_failed``.
 
 The registry holds no gRPC code: it is given a ``fetch_load(address, kind)`` coroutine (the
 client's, or a fake in tests) and a clock, so backoff can be tested without sleeping.
@@ -45,10 +50,15 @@ class RegistryConfig:
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     backoff_multiplier: float = 2.0
+    # polls in a row a healthy worker may leave unanswered (timed out) before it counts as
+    # down; SGLang's router waits for 3 failed health checks likewise
+    misses_before_down: int = 3
 
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0 or self.poll_timeout_s <= 0:
             raise ValueError("poll_interval_s and poll_timeout_s must be > 0")
+        if self.misses_before_down < 1:
+            raise ValueError("misses_before_down must be >= 1")
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
         if self.backoff_multiplier < 1:
@@ -76,6 +86,7 @@ class WorkerState:
     healthy: bool = False
     load: LoadReport | None = None
     consecutive_failures: int = 0
+    missed_polls: int = 0  # polls in a row that timed out while healthy
     next_retry_at: float = 0.0
     failed_at: float | None = None
     last_error: str = ""
@@ -162,6 +173,7 @@ class WorkerRegistry:
         w.healthy = True
         w.load = report
         w.consecutive_failures = 0
+        w.missed_polls = 0
         w.last_error = ""
 
     def record_failure(self, address: str, error: str) -> None:
@@ -178,6 +190,21 @@ class WorkerRegistry:
         w.healthy = False
         log.debug("%s worker %s: failure %d, next try in %.2f s", w.kind, address,
                   w.consecutive_failures, delay)
+
+    def record_miss(self, address: str, error: str) -> None:
+        """A poll that timed out: a healthy worker stays in rotation (on its last report) until
+        ``misses_before_down`` in a row; a down one stays down and backs off further."""
+        w = self._find(address)
+        if w is None:
+            return
+        if w.healthy and w.missed_polls + 1 < self.config.misses_before_down:
+            w.missed_polls += 1
+            log.info("%s worker %s answered no poll in time (%d of %d before it counts as "
+                     "down): %s", w.kind, address, w.missed_polls,
+                     self.config.misses_before_down, error)
+            return
+        w.missed_polls = 0
+        self.record_failure(address, error)
 
     def mark_failed(self, address: str, error: str) -> None:
         """Take a worker out of rotation after a failed call; the poller brings it back."""
@@ -281,8 +308,9 @@ class WorkerRegistry:
                                             self.config.poll_timeout_s)
         except asyncio.CancelledError:
             raise
-        except asyncio.TimeoutError:
-            self.record_failure(w.address, f"no load report within {self.config.poll_timeout_s} s")
+        except TimeoutError as exc:  # ours, or the call's own deadline (a late answer)
+            self.record_miss(w.address, str(exc)
+                             or f"no load report within {self.config.poll_timeout_s} s")
         except Exception as exc:  # any failure to answer means down; the reason is kept
             self.record_failure(w.address, str(exc) or type(exc).__name__)
         else:

@@ -358,15 +358,22 @@ class LLMEngine:
         ``progress``: a progress bar for the graph capture (on a terminal only)."""
         steps = self.speculator.block_size + 2 if self.speculator else 3
         params = SamplingParams(temperature=0.0, max_new_tokens=steps, ignore_eos=True)
-        # prompts of different lengths prefilled in one step: kernels pick other variants for
-        # a batch (FlashInfer's GDN prefill leaves its context-parallel kernel once sequences
-        # x heads reach half the SMs), whose first use would fall on a served request
+        # one prompt prefilled alone, then prompts of different lengths in one step: kernels
+        # pick other variants for one sequence and for a batch (FlashInfer's GDN prefill leaves
+        # its context-parallel kernel once sequences x heads reach half the SMs). A variant's
+        # first use compiles it on the engine thread, holding the GIL for seconds (a served
+        # request's and the worker's load reports would wait), so each must happen here
         count = max(1, min(8, self.state_pool.allocator.num_free,
                            self.config.scheduler.max_running_requests))
         keys = [f"__warmup__{i}" for i in range(count)]
-        for i, key in enumerate(keys):
-            self.add_request(list(range(1, 9 - i % 4)), params, request_id=key)
         held: set[str] = set()
+        for first, end in ((0, 1), (1, count)):
+            for i in range(first, end):
+                self.add_request(list(range(1, 9 - i % 4)), params, request_id=keys[i])
+            # this group's prefill is over once each has its first token (held or not)
+            while (any(k in self.requests and not self.requests[k].output_ids
+                       for k in keys[first:end]) and self.has_work()):
+                held.update(e.request_id for e in self.step() if e.held)
         while any(k in self.requests and k not in held for k in keys) and self.has_work():
             held.update(e.request_id for e in self.step() if e.held)
         for key in keys:

@@ -1,8 +1,12 @@
 import asyncio
 
+import grpc
 import pytest
 
 from common.load_report import LoadReport
+from common.security import TOKEN_ENV
+from router.__main__ import build_parser, config_from_args
+from router.client import WorkerCallError, WorkerTimeout
 from router.registry import RegistryConfig, WorkerRegistry, backoff_delay
 
 
@@ -85,13 +89,52 @@ def test_mark_failed_takes_worker_out_until_it_answers_again():
     assert reg.get("d").healthy
 
 
-def test_slow_worker_times_out():
+def test_a_worker_that_never_answered_is_not_taken_by_a_timeout():
     async def never(address, kind):
         await asyncio.sleep(10)
 
     reg = WorkerRegistry([("p", "prefill")], never, RegistryConfig(poll_timeout_s=0.05))
     asyncio.run(reg.poll_once())
     assert not reg.get("p").healthy and "no load report" in reg.get("p").last_error
+
+
+@pytest.mark.parametrize("late", [
+    lambda: TimeoutError("prefill.GetLoad on p: DEADLINE_EXCEEDED"),
+    lambda: WorkerTimeout("p", "prefill.GetLoad", grpc.StatusCode.DEADLINE_EXCEEDED, "late"),
+], ids=["registry's own", "call's deadline"])
+def test_a_healthy_worker_stays_up_until_it_misses_enough_polls_in_a_row(late):
+    answers = {"p": LoadReport("prefill", free_slots=2, total_slots=2),
+               "d": LoadReport("decode")}
+    reg, clock, _ = make(answers, misses_before_down=3)
+    asyncio.run(reg.poll_once())
+    answers["p"] = late()
+    for _ in range(2):  # two late answers: still in rotation, on its last report
+        asyncio.run(reg.poll_once())
+        assert reg.get("p").healthy and reg.get("p").load.free_slots == 2
+    answers["p"] = LoadReport("prefill", free_slots=1, total_slots=2)  # an answer in time resets the count
+    asyncio.run(reg.poll_once())
+    answers["p"] = late()
+    for _ in range(2):
+        asyncio.run(reg.poll_once())
+        assert reg.get("p").healthy
+    asyncio.run(reg.poll_once())  # the third in a row
+    assert not reg.get("p").healthy and "DEADLINE_EXCEEDED" in reg.get("p").last_error
+    assert reg.get("p").consecutive_failures == 1  # backed off as any failure
+
+
+def test_an_error_answer_takes_a_healthy_worker_down_at_once():
+    answers = {"p": LoadReport("prefill"), "d": LoadReport("decode")}
+    reg, _, _ = make(answers, misses_before_down=3)
+    asyncio.run(reg.poll_once())
+    answers["p"] = WorkerCallError("p", "prefill.GetLoad", grpc.StatusCode.UNAVAILABLE,
+                                   "connection refused")
+    asyncio.run(reg.poll_once())
+    assert not reg.get("p").healthy and "connection refused" in reg.get("p").last_error
+
+
+def test_misses_before_down_must_be_positive():
+    with pytest.raises(ValueError, match="misses_before_down"):
+        RegistryConfig(misses_before_down=0)
 
 
 def test_wrong_kind_is_a_failure():
@@ -196,3 +239,14 @@ def test_reconcile_keeps_an_address_with_the_kind_it_has():
     assert reg.get("d").kind == "prefill"
     with pytest.raises(ValueError):
         reg.reconcile({"x": "router"})
+
+
+def test_router_flag_sets_the_misses_before_down():
+    def config(*argv):
+        return config_from_args(build_parser().parse_args(
+            ["--prefill", "p:1", "--decode", "d:1", *argv]), {TOKEN_ENV: "t" * 32})
+
+    assert config().registry.misses_before_down == RegistryConfig.misses_before_down
+    assert config("--poll-misses", "1").registry.misses_before_down == 1
+    with pytest.raises(ValueError, match="misses_before_down"):
+        config("--poll-misses", "0")
