@@ -11,6 +11,7 @@ import logging
 import time
 
 import grpc
+import numpy as np
 
 from common import convert
 from common.grpc_util import abort_if_engine_stopped
@@ -152,10 +153,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handoff_id must not be 0")
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
-        bad = [t for t in request.prompt_token_ids if t >= self.vocab_size]
-        if bad:
+        # through the field's buffer: a Python loop over 32k ids costs a millisecond
+        ids = np.asarray(request.prompt_token_ids, dtype=np.int64)
+        bad = ids[ids >= self.vocab_size]
+        if bad.size:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token ids {bad[:5]} are outside the vocabulary "
+                                f"token ids {bad[:5].tolist()} are outside the vocabulary "
                                 f"(size {self.vocab_size})")
         if not request.decode_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address is empty")

@@ -67,8 +67,9 @@ def check_prompt(ids: Sequence[int], params: SamplingParams, model: ServedModel)
     """Raise ValueError when the prompt or stop ids cannot be served by this model."""
     if not ids:
         raise ValueError("the prompt is empty")
-    bad = [i for i in ids if not 0 <= i < model.vocab_size]
-    if bad:
+    # min and max run in C; the list of offenders is built only for the message
+    if min(ids) < 0 or max(ids) >= model.vocab_size:
+        bad = [i for i in ids if not 0 <= i < model.vocab_size]
         raise ValueError(f"prompt token ids {bad[:8]} are outside the vocabulary "
                          f"(0..{model.vocab_size - 1})")
     bad = [i for i in params.stop_token_ids if i >= model.vocab_size]

@@ -20,7 +20,7 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from common.convert import (finish_reason_to_pb, load_report_to_pb, logprobs_to_pb,
-                            sampling_from_pb)
+                            sampling_from_pb, token_ids_from_pb)
 from common.channels import ChannelSecurity
 from common.grpc_util import bind, make_server, set_serving
 from common.metrics.server import MetricsServer
@@ -108,7 +108,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if which is None:
                 raise ValueError("the request has neither text nor token_ids")
             return await self.generation.admit(
-                request.text if which == "text" else list(request.token_ids.ids),
+                request.text if which == "text" else token_ids_from_pb(request.token_ids.ids),
                 sampling_from_pb(request.sampling), request_id=request.request_id,
                 stop=list(request.stop),
                 arrival=arrival, timeout_s=context.time_remaining())

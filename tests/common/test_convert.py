@@ -193,3 +193,12 @@ def test_request_spec_from_pb_refuses_a_long_id_and_bad_sampling():
     with pytest.raises(HandoffError, match="top_p") as info:
         convert.handoff_part_from_pb(msg)
     assert info.value.code == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize("ids", [[], [0], [5, 17, 200, 5], [2**32 - 1, 0, 248_000]],
+                         ids=["empty", "one", "repeats", "extremes"])
+def test_token_ids_come_out_of_a_repeated_field_as_python_ints_in_order(ids):
+    msg = prefill_pb2.PrefillRequest(prompt_token_ids=ids)
+    out = convert.token_ids_from_pb(msg.prompt_token_ids)
+    assert out == ids and all(type(i) is int for i in out)
+    assert convert.request_spec_from_pb(msg).prompt_ids == tuple(ids)
