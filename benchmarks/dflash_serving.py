@@ -51,13 +51,12 @@ def prompt_texts(config: ServingConfig, count: int) -> list[str]:
     """``count`` evenly spaced windows of the held-out data, as text."""
     from common.model.load import eos_token_ids_for, load_config
     from common.tokenizer import load_tokenizer
-    from common.training.token_data import read_documents, spaced_windows, token_stream
+    from common.training.token_data import held_out_windows
 
     tokenizer = load_tokenizer(config.model)
     eos = eos_token_ids_for(config.model, load_config(config.model))
-    stream = token_stream(read_documents(config.data), tokenizer,
-                          separator=eos[0] if eos else None)
-    windows = spaced_windows(stream, config.prompt_tokens, count).tolist()
+    windows = held_out_windows(config.data, tokenizer, eos[0] if eos else None,
+                               config.prompt_tokens, count)
     return [tokenizer.decode(w) for w in windows]
 
 

@@ -88,14 +88,6 @@ class TauReport:
     speed: list[SpeedRow] = field(default_factory=list)
 
 
-def held_out_prompts(config: TauConfig, tokenizer, eos: int | None) -> list[list[int]]:
-    from common.training.token_data import read_documents, spaced_windows, token_stream
-
-    stream = token_stream(read_documents(config.data), tokenizer, separator=eos)
-    windows = spaced_windows(stream, config.prompt_tokens, config.num_prompts)
-    return windows.tolist()
-
-
 class _Engines:
     """One engine per block size (None: no draft), each made once, pools sized for the
     prompts. They share the target, so :meth:`get` also sets its capture: the plain engine
@@ -137,6 +129,7 @@ def run_tau(config: TauConfig, *, progress: bool = True) -> TauReport:
     from common.model.load import eos_token_ids_for, load_model
     from common.model.kernels import select_kernels
     from common.tokenizer import load_tokenizer
+    from common.training.token_data import held_out_windows
 
     kernels = config.kernels
     if kernels == "auto":
@@ -147,8 +140,9 @@ def run_tau(config: TauConfig, *, progress: bool = True) -> TauReport:
     draft = load_draft(config.draft, target)
     eos = eos_token_ids_for(config.model, target.config)
     tokenizer = load_tokenizer(config.model, allow_missing=True)
-    prompts = held_out_prompts(config, tokenizer if tokenizer.vocab_size else None,
-                               eos[0] if eos else None)
+    prompts = held_out_windows(config.data, tokenizer if tokenizer.vocab_size else None,
+                               eos[0] if eos else None, config.prompt_tokens,
+                               config.num_prompts)
     engines = _Engines(config, target, draft, eos)
     report = TauReport(config)
     greedy_plain = None

@@ -92,10 +92,10 @@ class FirstToken:
     when the request asks for them."""
 
     token_id: int
+    # time.perf_counter() when the step that sampled it returned: the end of the prefill,
+    # however late the caller's thread takes the result up
+    sampled_at: float
     logprobs: TokenLogprobs | None = None
-    # time.perf_counter() when the step that sampled it returned (0.0: not recorded): the end
-    # of the prefill, however late the caller's thread takes the result up
-    sampled_at: float = 0.0
 
 
 class PrefillEngine(EngineLoop):
@@ -225,8 +225,8 @@ class PrefillEngine(EngineLoop):
                 started = self._started[key] = began
                 self.metrics.prompt_started(began - self._submitted[key])
             event = events.get(key)
-            first = None if event is None else FirstToken(event.token_id, event.logprobs,
-                                                             ended)
+            first = None if event is None else FirstToken(event.token_id, ended,
+                                                             event.logprobs)
             pages = self._final_pages(req, req.num_cached)
             if first is None and pages == self._reported[key] and key not in self._broken:
                 continue  # this chunk completed no page (or its forward reported them)

@@ -90,7 +90,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             except RuntimeError as exc:  # this request's step failed; the engine serves on
                 await context.abort(grpc.StatusCode.INTERNAL, str(exc))
             # the sampling step's end: this task may resume later, behind the handoff's pump
-            prefilled = first.sampled_at or time.perf_counter()
+            prefilled = first.sampled_at
             timings = dict(queue_s=opened - start, prefill_s=prefilled - opened)
             finished = stop_reason(first.token_id, 1, job.spec.sampling, self.eos_token_ids)
             if finished is not None:

@@ -203,7 +203,6 @@ class WorkerRegistry:
                      "down): %s", w.kind, address, w.missed_polls,
                      self.config.misses_before_down, error)
             return
-        w.missed_polls = 0
         self.record_failure(address, error)
 
     def mark_failed(self, address: str, error: str) -> None:

@@ -367,15 +367,18 @@ class LLMEngine:
                            self.config.scheduler.max_running_requests))
         keys = [f"__warmup__{i}" for i in range(count)]
         held: set[str] = set()
+
+        def step_while(busy) -> None:
+            while busy() and self.has_work():
+                held.update(e.request_id for e in self.step() if e.held)
+
         for first, end in ((0, 1), (1, count)):
             for i in range(first, end):
                 self.add_request(list(range(1, 9 - i % 4)), params, request_id=keys[i])
             # this group's prefill is over once each has its first token (held or not)
-            while (any(k in self.requests and not self.requests[k].output_ids
-                       for k in keys[first:end]) and self.has_work()):
-                held.update(e.request_id for e in self.step() if e.held)
-        while any(k in self.requests and k not in held for k in keys) and self.has_work():
-            held.update(e.request_id for e in self.step() if e.held)
+            step_while(lambda: any(k in self.requests and not self.requests[k].output_ids
+                                   for k in keys[first:end]))
+        step_while(lambda: any(k in self.requests and k not in held for k in keys))
         for key in keys:
             self.abort(key)  # a request held for handoff (prefill workers) still owns its cache
         self.capture_cuda_graphs(progress)

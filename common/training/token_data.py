@@ -98,6 +98,14 @@ class WindowSampler:
         self.generator.set_state(state)
 
 
+def held_out_windows(path: str | Path, tokenizer: Tokenizer | None, separator: int | None,
+                     seq_len: int, count: int) -> list[list[int]]:
+    """Up to ``count`` evenly spaced windows of ``seq_len`` tokens of the documents at
+    ``path`` (``spaced_windows`` of their ``token_stream``): the prompts of an evaluation."""
+    stream = token_stream(read_documents(path), tokenizer, separator=separator)
+    return spaced_windows(stream, seq_len, count).tolist()
+
+
 def spaced_windows(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
     """[m, seq_len] windows at evenly spaced offsets (m <= count): a fixed evaluation set."""
     if stream.numel() < seq_len:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from common.tokenizer import ByteTokenizer
-from common.training.token_data import (WindowSampler, read_documents, spaced_windows,
-                                        token_stream)
+from common.training.token_data import (WindowSampler, held_out_windows, read_documents,
+                                        spaced_windows, token_stream)
 
 
 def test_read_documents_of_every_kind(tmp_path):
@@ -68,3 +68,13 @@ def test_spaced_windows():
     w = spaced_windows(stream, 10, 5)
     assert w[:, 0].tolist() == [0, 10, 20, 30, 40] and w[-1, -1] == 49
     assert spaced_windows(stream, 50, 8).tolist() == [list(range(50))]
+
+
+def test_held_out_windows_are_spaced_windows_of_the_documents_stream(tmp_path):
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"token_ids": list(range(i * 10, i * 10 + 10))}) + "\n"
+                            for i in range(3)))
+    windows = held_out_windows(data, None, 99, 8, 3)
+    stream = token_stream(read_documents(data), None, separator=99)
+    assert windows == spaced_windows(stream, 8, 3).tolist()
+    assert len(windows) == 3 and all(len(w) == 8 and type(w[0]) is int for w in windows)
