@@ -3,12 +3,15 @@
 #
 #   bash benchmarks/train_builtin_gpu.sh OUT_DIR [STAGE] [TARGET_SECONDS] [DRAFT_SECONDS]
 #
-# STAGE: target | draft | tau | serve | all (default: the first three). Each stage reads what
-# the one before wrote under OUT_DIR, so they can run as separate commands:
-#   target (~6 min): the corpus (this interpreter's standard library, PSF licence), the BPE
-#          tokenizer, and the target trained for TARGET_SECONDS (default 300) of wall clock;
-#   draft  (~3 min): the target's own continuations of corpus prompts (data regeneration),
-#          and the draft trained on them for DRAFT_SECONDS (default 120);
+# STAGE: target | regen | draft | tau | serve | all (default: target, regen, draft, tau). Each
+# stage reads what the one before wrote under OUT_DIR, so they can run as separate commands:
+#   target (~6 min): the corpus (this interpreter's standard library, PSF licence, or CORPUS),
+#          the BPE tokenizer, and the target trained for TARGET_SECONDS (default 300) of wall
+#          clock. On a GPU it compiles the serving kernels beside the training (JIT_WARMUP,
+#          below), so the next stage does not spend minutes on it;
+#   regen  (~3 min): the target's own continuations of corpus prompts (data regeneration);
+#   draft  (~3 min): the draft trained on them for DRAFT_SECONDS (default 120); it runs
+#          `regen` first when the regenerated data is missing or older than the target;
 #   tau    (~2 min): mean accept length at blocks 8 and 16, greedy and at temperature 0.7, on
 #          the held-out files, and in-process decode tokens/s with and without the draft;
 #   serve  (~3 min): output tokens/s through router -> prefill -> decode with DFLASH against
@@ -16,6 +19,11 @@
 # ARCH=FILE trains another target shape (a JSON of Qwen3_5TextConfig fields, e.g.
 # benchmarks/large_target_arch.json: about 280M parameters); DRAFT_LAYERS (default 2) and
 # TARGET_LAYER_IDS (default 1,3,5, the built-in target's; "" picks z-lab's rule) shape its draft.
+# CORPUS=DIR trains on a corpus written earlier by `python -m common.training.corpus` (e.g. on
+# a machine whose Python carries its whole standard library, tests included: a slim
+# interpreter's is a third of that) instead of this interpreter's. RESUME=1 continues the
+# draft's training from its last checkpoint (a stage cut short). JIT_WARMUP=0 turns the
+# target stage's kernel compilation off.
 # On a GPU, REGEN_PROMPTS (6144) and REGEN_TOKENS (384) size the draft's regenerated data, and
 # TAU_PROMPTS (64) and TAU_TOKENS (256) the τ benchmark: fewer for a larger target whose stage
 # must fit a time limit.
@@ -48,6 +56,7 @@ LAYER_ID_ARGS=()
 if [ -n "${TARGET_LAYER_IDS-1,3,5}" ]; then LAYER_ID_ARGS=(--target-layer-ids "${TARGET_LAYER_IDS-1,3,5}"); fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+if [ -n "${CORPUS:-}" ]; then CORPUS=$(cd "$CORPUS" && pwd); fi
 cd "$(dirname "$0")/.."
 
 preflight() {
@@ -67,23 +76,48 @@ EOF
 }
 
 stage_target() {
-    "$PY" -m common.training.corpus --out "$OUT/corpus"
+    if [ -n "${CORPUS:-}" ]; then
+        if [ "$CORPUS" != "$OUT/corpus" ]; then rm -rf "$OUT/corpus" && cp -r "$CORPUS" "$OUT/corpus"; fi
+    else
+        "$PY" -m common.training.corpus --out "$OUT/corpus"
+    fi
+    local warm=""
+    if [ "$DEVICE" = cuda ] && [ "${JIT_WARMUP:-1}" = 1 ]; then
+        # The first serving-kernel use on a fresh machine compiles FlashInfer's modules (about
+        # 220 s on the H200, on the CPU). They depend on the head size and dtype, not on the
+        # model's size, so a short regeneration with the shipped target (heads of 128, bf16)
+        # compiles them while this stage's training keeps the GPU busy; stages that follow on
+        # the same machine find them in the cache.
+        "$PY" -m common.training.regenerate --model pycoder --data "$OUT/corpus" \
+            --out "$OUT/jit_warmup.jsonl" --num-prompts 8 --prompt-tokens 128 \
+            --max-new-tokens 16 --max-running 8 --device cuda > "$OUT/jit_warmup.log" 2>&1 &
+        warm=$!
+    fi
     "$PY" -m common.training.bpe --corpus "$OUT/corpus" --out "$OUT/tokenizer" --vocab-size 8192
     "$PY" -m common.training.train_target --corpus "$OUT/corpus" --tokenizer "$OUT/tokenizer" \
         --out "$OUT/pycoder" --seconds "$TARGET_SECONDS" --batch-size "$TARGET_BATCH" \
         --seq-len "$SEQ" --device "$DEVICE" "${ARCH_ARGS[@]}"
+    if [ -n "$warm" ]; then
+        if wait "$warm"; then echo "kernels compiled beside the training ($OUT/jit_warmup.log)"
+        else echo "warning: the kernel warm-up failed (see $OUT/jit_warmup.log)" >&2; fi
+    fi
 }
 
-stage_draft() {
+stage_regen() {
     "$PY" -m common.training.regenerate --model "$OUT/pycoder" --data "$OUT/corpus" \
         --out "$OUT/regen.jsonl" --num-prompts "$REGEN_PROMPTS" --prompt-tokens 128 \
         --max-new-tokens "$REGEN_TOKENS" --temperatures 0,0.7 --max-running 256 \
         --device "$DEVICE"
-    rm -rf "$OUT/pycoder-dflash"
+}
+
+stage_draft() {
+    if [ ! "$OUT/regen.jsonl" -nt "$OUT/pycoder/model.safetensors" ]; then stage_regen; fi
+    local resume=()
+    if [ "${RESUME:-0}" = 1 ]; then resume=(--resume); else rm -rf "$OUT/pycoder-dflash"; fi
     "$PY" -m router.cli train-draft --target "$OUT/pycoder" --data "$OUT/regen.jsonl" \
         --out "$OUT/pycoder-dflash" --block-size 16 --layers "${DRAFT_LAYERS:-2}" "${LAYER_ID_ARGS[@]}" \
         --seconds "$DRAFT_SECONDS" --batch-size "$DRAFT_BATCH" --seq-len "$SEQ" --anchors 32 \
-        --lr 1e-3 --checkpoint-every 500 --device "$DEVICE"
+        --lr 1e-3 --checkpoint-every 500 --device "$DEVICE" "${resume[@]}"
     rm -rf "$OUT/ship"
     mkdir -p "$OUT/ship/pycoder" "$OUT/ship/pycoder-dflash"
     cp "$OUT"/pycoder/{config.json,generation_config.json,model.safetensors,tokenizer.json} \
@@ -111,9 +145,10 @@ stage_serve() {
 preflight
 case "$STAGE" in
     target) stage_target ;;
+    regen) stage_regen ;;
     draft) stage_draft ;;
     tau) stage_tau ;;
     serve) stage_serve ;;
-    all) stage_target; stage_draft; stage_tau ;;
-    *) echo "unknown stage $STAGE (target, draft, tau, serve or all)" >&2; exit 2 ;;
+    all) stage_target; stage_regen; stage_draft; stage_tau ;;
+    *) echo "unknown stage $STAGE (target, regen, draft, tau, serve or all)" >&2; exit 2 ;;
 esac

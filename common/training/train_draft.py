@@ -95,6 +95,21 @@ def _run_settings(config: DraftTrainConfig) -> dict:
     return json.loads(json.dumps({k: settings[k] for k in _RUN_FIELDS}))
 
 
+def _same_place(name: str) -> str:
+    """``target`` or ``data`` as a resumed run compares it: an existing path, absolute (so
+    ``out/t`` and ``/home/me/out/t`` match), else as given (a built-in name)."""
+    path = Path(name)
+    return str(path.resolve()) if path.exists() else name
+
+
+def _changed_settings(saved: dict, now: dict) -> list[str]:
+    def norm(settings: dict) -> dict:
+        return {**settings, **{k: _same_place(settings[k]) for k in ("target", "data")
+                               if isinstance(settings.get(k), str)}}
+    saved, now = norm(saved), norm(now)
+    return sorted(k for k in saved if saved[k] != now.get(k))
+
+
 class _Run:
     """Everything one training run holds; built fresh or from a checkpoint."""
 
@@ -170,7 +185,7 @@ class _Run:
     def load_checkpoint(self) -> None:
         state = torch.load(self.state_path, map_location=self.device, weights_only=True)
         saved, now = json.loads(state["settings"]), _run_settings(self.config)
-        changed = sorted(k for k in saved if saved[k] != now.get(k))
+        changed = _changed_settings(saved, now)
         if changed:
             raise ValueError(f"--resume with settings that differ from the checkpoint's: "
                              f"{', '.join(f'{k} (was {saved[k]!r})' for k in changed)}")

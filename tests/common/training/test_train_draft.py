@@ -133,7 +133,10 @@ def test_resume_continues_the_same_run(corpus_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="num_anchors"):
         train_draft(replace(config_for(corpus_dir, tmp_path / "cut", 7, resume=True),
                             num_anchors=5))
-    train_draft(config_for(corpus_dir, tmp_path / "cut", 7, resume=True))  # from step 3
+    # the same data named by a relative path is the same run (the first named it absolutely)
+    monkeypatch.chdir(corpus_dir.parent)
+    train_draft(replace(config_for(corpus_dir, tmp_path / "cut", 7, resume=True),
+                        data=corpus_dir.name))  # from step 3
     whole = torch.load(tmp_path / "whole/checkpoint/training_state.pt", weights_only=True)
     cut = torch.load(tmp_path / "cut/checkpoint/training_state.pt", weights_only=True)
     assert whole["step"] == cut["step"] == 7

@@ -64,3 +64,36 @@ def test_hiding_fla_from_transformers_leaves_it_importable_afterwards():
     # a None entry would make every later `import fla...` in this process fail, the serving
     # kernels' included
     assert sys.modules.get("fla", "absent") is not None
+
+
+@pytest.mark.parametrize("keep_best", [True, False])
+def test_saves_the_weights_of_the_best_held_out_evaluation(corpus_dir, tokenizer_dir, tmp_path,
+                                                          monkeypatch, keep_best):
+    from safetensors.torch import load_file
+
+    from common.training import train_target as module
+    from common.training.schedule import Budget
+
+    scripted, seen = iter([3.0, 1.0, 2.0, 4.0]), []
+
+    def scripted_loss(model, windows, **kw):  # the second evaluation is the best
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return next(scripted)
+
+    monkeypatch.setattr(module, "mean_loss", scripted_loss)
+    out = tmp_path / "target"
+    module.train_target(module.TargetTrainConfig(
+        corpus=str(corpus_dir), tokenizer=str(tokenizer_dir), out=str(out),
+        budget=Budget(max_steps=8), arch=dict(TINY_ARCH), seq_len=64, batch_size=4, lr=1e-2,
+        eval_windows=8, eval_points=4, device="cpu", save_dtype="float32", keep_best=keep_best,
+        progress=False))
+    assert len(seen) == 4
+    expected = seen[1] if keep_best else seen[-1]
+    saved = load_file(out / "model.safetensors")
+    assert not torch.equal(seen[1]["model.norm.weight"], seen[-1]["model.norm.weight"])
+    for name, value in saved.items():
+        assert torch.equal(value, expected[name]), name
+    p = json.loads((out / "provenance.json").read_text())
+    steps = [e["step"] for e in p["training"]["eval_loss"]]
+    assert p["training"]["saved_weights"] == {"step": steps[1] if keep_best else 8,
+                                              "eval_loss": 1.0 if keep_best else 4.0}
