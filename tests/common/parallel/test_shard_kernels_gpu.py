@@ -13,23 +13,9 @@ from common.cache.pools import CacheConfig, make_pools
 from common.model.builtin import fill_deterministic
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.parallel.group import TensorParallelGroup
+from tests.common.parallel.stand_in_group import NoOtherRank
 
 pytestmark = pytest.mark.gpu
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
-class _NoOtherRank:
-    def allreduce(self, tensors):
-        return _Done()
-
-    def allgather(self, outputs, inputs):
-        for out in outputs[0]:
-            out.copy_(inputs[0])
-        return _Done()
 
 
 def _shard(world_size: int, kernels):
@@ -37,7 +23,7 @@ def _shard(world_size: int, kernels):
     from common.model.family_registry import model_class_for, parse_model_config
 
     config = parse_model_config({**QWEN3_5_35B_A3B, "num_hidden_layers": 4})
-    pg = _NoOtherRank()
+    pg = NoOtherRank()
     with torch.device("cuda"):
         model = model_class_for(config)(config, kernels=kernels,
                                         tp=TensorParallelGroup(0, world_size, pg, pg))

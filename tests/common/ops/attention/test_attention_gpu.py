@@ -65,7 +65,8 @@ CASES = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("heads,kv_heads", [(16, 4), (16, 2)])  # Qwen3.5-4B, Qwen3.5-35B-A3B
+# Qwen3.5-4B, Qwen3.5-35B-A3B, and a rank of 35B-A3B at TP 2 and 8 (one KV head each)
+@pytest.mark.parametrize("heads,kv_heads", [(16, 4), (16, 2), (8, 1), (2, 1)])
 def test_flashinfer_matches_reference(record_metric, case, heads, kv_heads):
     fi = _fi()
     prefix, extend = CASES[case]

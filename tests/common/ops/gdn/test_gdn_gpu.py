@@ -180,6 +180,24 @@ def test_flashinfer_chunk_matches_reference(record_metric):
     check_bf16(record_metric, "final_state", s, s_ref)
 
 
+# the key / value head counts a rank holds: Qwen3.5-35B-A3B's at TP 2, 4 and 8, the larger
+# trained target's, and the built-in model's
+FEW_HEADS = [(8, 16), (4, 8), (2, 4), (1, 2)]
+
+
+@pytest.mark.parametrize("lens", [[37], [37, 130]])
+@pytest.mark.parametrize("hk,hv", FEW_HEADS)
+def test_flashinfer_chunk_with_few_heads(record_metric, hk, hv, lens):
+    """One sequence takes FlashInfer's context-parallel kernel, several its batched one; a
+    tensor-parallel rank's or a small model's head counts go through both."""
+    fi = _flashinfer()
+    inp = make_inputs(lens, hk, hv, 128, 128, seed=10 + hk)
+    o, s = fi.chunk_gated_delta_rule(**inp)
+    o_ref, s_ref = ref.chunk_gated_delta_rule(**as_fp32(inp))
+    check_bf16(record_metric, "o", o, o_ref)
+    check_bf16(record_metric, "final_state", s, s_ref)
+
+
 def test_flashinfer_chunk_single_long_sequence(record_metric):
     fi = _flashinfer()
     inp = make_inputs([3000], 16, 32, 128, 128, seed=8)
