@@ -21,7 +21,8 @@ from common.metrics.server import add_metrics_port_arg
 from common.metrics.tls import metrics_ssl_context
 from common.model.registry import DEFAULT_MODEL
 from common.parallel.launch import rank_devices
-from common.parallel.worker_group import add_tp_arg, check_tp_args, shares_pools_at
+from common.parallel.worker_group import (add_tp_arg, check_tp_args, shares_pools_at,
+                                          takes_rank_streams)
 from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig, default_max_prefill_tokens
 from common.handoff.transports import HANDOFF_TRANSPORTS, takes_tcp_with
@@ -197,6 +198,7 @@ def run_worker(args: argparse.Namespace, serve) -> int:
         if args.metrics_port is not None:  # its TLS files are checked before the model loads
             metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca)
         takes_tcp_with(args.handoff_transport, security.tls)  # tcp is refused beside TLS
+        takes_rank_streams(args, args.handoff_transport, security.tls)
         check_tp_args(args)  # ShardingError names what the size must divide
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -10,7 +10,8 @@ from common.cli_help import HelpFormatter, description
 from common.grpc_util import serve_until_signal
 from common.metrics.server import bind_metrics, start_metrics
 from common.metrics.tls import metrics_ssl_context
-from common.parallel.worker_group import handoff_transport, shares_pools_at
+from common.parallel.worker_group import (handoff_transport, shares_pools_at,
+                                          takes_rank_streams)
 from common.security import Security
 from common.worker_args import add_worker_args, run_worker, worker_engine
 from decode_service.server import build_decode_service
@@ -34,10 +35,16 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                                        security=server_security, transport=transport,
                                        idle_timeout_s=args.handoff_idle_timeout,
                                        handoff_port=args.handoff_port,
-                                       open_peer_pools=shares_pools_at(args, transport))
+                                       open_peer_pools=shares_pools_at(args, transport),
+                                       rank_streams=takes_rank_streams(args, transport,
+                                                                       security.tls),
+                                       band_token=security.internal_token)
         start_metrics(metrics_server, service.engine.metrics.registry, "flashsplit-decode")
         if service.tcp is not None:
             log.info("handoff chunks over TCP: listening on port %d", service.tcp.port)
+        if service.rank_streams is not None:
+            log.info("per-rank handoff streams: rank listeners on ports %s",
+                     list(service.rank_streams.ports))
         try:
             return await serve_until_signal(
                 service.server, service.health, [SERVICE_NAME],

@@ -25,12 +25,16 @@ import torch
 from common import convert
 from common.auth import TOKEN_HEADER
 from common.channels import ChannelSecurity, make_channel
+from common.handoff.bands import BANDED_FIELDS
 from common.handoff.tcp_frames import tcp_host
 from common.handoff.transports import takes_tcp_with
 from common.handoff.ledger import fold_checksums, new_ledgers
 from common.handoff.parts import HeaderPart, PoolCopyPart, TrailerPart
 from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc
+from common.parallel.follower_bands import sent_key, take_reports
+from common.parallel.rank_streams import RankStreamPlan, transfers
+from prefill_service.band_sender import BandsSent, PrefillRankStreams, merge_sent
 from prefill_service.engine import StateReady
 from prefill_service.message_feed import feed_from_thread
 from prefill_service.shared_pools import SharedPools
@@ -105,8 +109,8 @@ class HandoffStream:
 
     def __init__(self, call, header: HeaderPart, reader: StateReader,
                  executor: ThreadPoolExecutor, *, address: str = "", transport: str = "stream",
-                 tcp: TcpConnections | None = None, tcp_connections: int | None = None
-                 ) -> None:
+                 tcp: TcpConnections | None = None, tcp_connections: int | None = None,
+                 rank_streams: PrefillRankStreams | None = None) -> None:
         self._call = call
         self.header = header
         self._reader = reader
@@ -125,6 +129,11 @@ class HandoffStream:
         self._stopped = threading.Event()  # tells a sending thread to stop at its next chunk
         self.tcp_chunks = 0
         self.bytes_sent = 0
+        self._rank = rank_streams
+        # per-rank streams, when the receiver took them (set by open): every rank sends its
+        # own heads of kv, conv_state and ssm_state; this call carries the rest
+        self.rank_plan: RankStreamPlan | None = None
+        self._band_sends: list = []
 
     @property
     def tcp_connection_count(self) -> int:
@@ -158,6 +167,31 @@ class HandoffStream:
             self._call.cancel()
             raise HandoffTransportError(f"the decode worker takes no chunks over TCP: {why}; "
                                         "use --handoff-transport auto or stream")
+        if self._rank is not None:
+            self._take_rank_streams(accepted)
+
+    def _take_rank_streams(self, accepted) -> None:
+        """Per-rank streams when the receiver listed its ranks' ports, else (``--tp-handoff
+        ranks``) HandoffTransportError."""
+        host = tcp_host(self._address)
+        if accepted.rank_ports and host is not None:
+            plan = RankStreamPlan(host, tuple(accepted.rank_ports), accepted.rank_ticket,
+                                  self._rank.token, self.header.prompt_len,
+                                  self.header.layout.page_size, self._rank.tp_size)
+            config = self._rank.sender.config
+            try:  # the receiver's size must split the heads as ours does
+                transfers(config, plan.src_tp, plan.dst_tp)
+            except ValueError as exc:
+                self._call.cancel()
+                raise HandoffTransportError(f"the decode worker's {plan.dst_tp} ranks: "
+                                            f"{exc}") from None
+            self.rank_plan = plan
+        elif self._rank.required:
+            self._call.cancel()
+            raise HandoffTransportError(
+                "the decode worker takes no per-rank streams (--tp-handoff leader, TLS, "
+                "--handoff-transport stream, or a worker that predates them): use "
+                "--tp-handoff auto or leader")
 
     async def _connect(self, port: int, ticket: bytes) -> str:
         """Take connections to the receiver's listener; says why not when none can be made."""
@@ -209,7 +243,7 @@ class HandoffStream:
                 await self._call.write(message)
             return
         ranges = []  # (field, first page, end page) newly final
-        fields = [("kv", ready.num_pages)]
+        fields = [] if self.rank_plan is not None else [("kv", ready.num_pages)]
         if "dflash_context" in self.header.manifest:
             fields.append(("dflash_context", ready.final_draft_pages))
         for name, end in fields:
@@ -219,6 +253,11 @@ class HandoffStream:
                 self._sent[name] = end
         states = ready.final_states and not self._states_sent
         self._states_sent = self._states_sent or states
+        if self.rank_plan is not None:
+            self._send_own_bands(ready, states)
+            states = False  # the GDN state is banded too: nothing of it goes on this call
+            if not ranges:
+                return
 
         if self._connections:
             # frames straight out of the pinned host buffers: no encoding copy
@@ -234,6 +273,34 @@ class HandoffStream:
             async for message in messages:
                 self.bytes_sent += len(message)
                 await self._call.write(message)
+
+    def _send_own_bands(self, ready: StateReady, states: bool) -> None:
+        """Queue this rank's bands of what ``ready`` made final on its band sender, whose
+        thread waits for the step that wrote them."""
+        start, end = self._sent["kv"], ready.num_pages
+        if end <= start and not states:
+            return
+        self._sent["kv"] = max(start, end)
+        self._band_sends.append(self._rank.sender.send(
+            self.header.handoff_id, self.rank_plan, ready.page_ids[start:max(start, end)],
+            start, ready.slot if states else None, wait=lambda: _step_over(ready)))
+
+    async def _bands_sent(self) -> BandsSent:
+        """What every rank sent on its streams, once every one has written it all: this
+        rank's from its sender, the followers' through the group's store."""
+        loop = asyncio.get_running_loop()
+        for sending in self._band_sends:
+            await asyncio.wrap_future(sending)
+        reports = [await asyncio.wrap_future(self._rank.sender.finish(self.header.handoff_id))]
+        keys = [sent_key(self.header.handoff_id, r) for r in range(1, self._rank.tp_size)]
+        if keys:
+            reports += await loop.run_in_executor(
+                self._executor, take_reports, self._rank.store, keys,
+                self._rank.report_timeout_s)
+        sent = merge_sent(reports)
+        if sent.error is not None:
+            raise RuntimeError(f"a per-rank stream failed: {sent.error}")
+        return sent
 
     async def _send_over_tcp(self, produce) -> None:
         """Read ``produce()``'s frames on a sender thread and spread them over the
@@ -276,10 +343,19 @@ class HandoffStream:
                      first_logprobs: TokenLogprobs | None = None) -> decode_pb2.HandoffAck:
         """Write the trailer, close, and wait for decode's ``ack`` (the request is admitted)."""
         # every field went as pool copies, or as bytes with a checksum
-        checksums = {} if self.pool_copies else fold_checksums(self.header.manifest,
-                                                               self._ledgers)
+        manifest = self.header.manifest
+        if self.rank_plan is not None:  # these went as bands, checksummed by their senders
+            manifest = {n: s for n, s in manifest.items() if n not in BANDED_FIELDS}
+        checksums = {} if self.pool_copies else fold_checksums(manifest, self._ledgers)
+        rank_chunks: tuple[int, ...] = ()
+        if self.rank_plan is not None:
+            sent = await self._bands_sent()
+            checksums.update(sent.checksums)
+            rank_chunks = sent.frames
+            self.bytes_sent += sent.nbytes
         trailer = TrailerPart(checksums=checksums, first_token=first_token,
-                              first_logprobs=first_logprobs, tcp_chunks=self.tcp_chunks)
+                              first_logprobs=first_logprobs, tcp_chunks=self.tcp_chunks,
+                              rank_chunks=rank_chunks)
         connections, self._connections = self._connections, []
         for connection in connections:  # every chunk is written: the next handoff may use them
             self._tcp.release(connection)
@@ -297,7 +373,20 @@ class HandoffStream:
 
     def cancel(self) -> None:
         self._drop_connections()  # a no-op after finish, which gave it back
+        if self.rank_plan is not None:
+            self._rank.sender.drop(self.header.handoff_id)  # a no-op once finished
         self._call.cancel()
+
+
+def _step_over(ready: StateReady) -> None:
+    """Block until the step that wrote ``ready``'s state is over (its last layer has run)."""
+    progress = ready.layer_ready
+    if progress is not None:
+        event = progress.wait(progress.num_layers - 1)
+        if event is not None:
+            event.synchronize()
+    elif ready.ready is not None:
+        ready.ready.synchronize()
 
 
 class HandoffSender:
@@ -306,8 +395,8 @@ class HandoffSender:
 
     def __init__(self, reader: StateReader, *, timeout_s: float = 120.0,
                  security: ChannelSecurity = ChannelSecurity(), transport: str = "stream",
-                 shared: SharedPools | None = None, tcp_connections: int | None = None
-                 ) -> None:
+                 shared: SharedPools | None = None, tcp_connections: int | None = None,
+                 rank_streams: PrefillRankStreams | None = None) -> None:
         if tcp_connections is not None and tcp_connections < 1:
             raise ValueError(f"--handoff-tcp-connections must be >= 1, got {tcp_connections}")
         if transport == "device" and shared is None:
@@ -318,6 +407,7 @@ class HandoffSender:
         self.security = security
         self.timeout_s = timeout_s
         self.tcp_connections = tcp_connections
+        self.rank_streams = rank_streams  # None: handoffs never take per-rank streams
         self._channels: dict[str, grpc.aio.Channel] = {}
         # chunks over TCP carry the same token as the calls; never beside a TLS channel
         self.tcp = (TcpConnections(dict(security.metadata).get(TOKEN_HEADER))
@@ -338,9 +428,12 @@ class HandoffSender:
                                         response_deserializer=decode_pb2.HandoffReply.FromString)
         if self.shared is not None:  # offer our pools: a receiver on this host copies them
             header = dataclasses.replace(header, source_pools=self.shared.handles_for(address))
+        if self.rank_streams is not None:  # offer each rank's heads on streams of their own
+            header = dataclasses.replace(header, rank_streams=self.rank_streams.tp_size)
         return HandoffStream(handoff(timeout=self.timeout_s), header, self.reader,
                              self._executor, address=address, transport=self.transport,
-                             tcp=self.tcp, tcp_connections=self.tcp_connections)
+                             tcp=self.tcp, tcp_connections=self.tcp_connections,
+                             rank_streams=self.rank_streams)
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -350,5 +443,7 @@ class HandoffSender:
             self.tcp.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.reader.close()
+        if self.rank_streams is not None:
+            self.rank_streams.sender.close()
         if self.shared is not None:
             self.shared.close()
