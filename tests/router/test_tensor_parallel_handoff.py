@@ -60,7 +60,8 @@ def test_handoff_between_parallel_sizes_gives_tp1_tokens(prefill_tp, decode_tp, 
             "leader": "through this worker's rank 0"}[path]
     assert logs["prefill"].count(said) == len(PROMPTS), logs["prefill"]
     admitted = "on per-rank streams" if path == "ranks" else "through rank 0"
-    assert logs["decode"].count(admitted) == len(PROMPTS), logs["decode"]
+    admitted_lines = [line for line in logs["decode"].splitlines() if "admitted:" in line]
+    assert [line.endswith(admitted) for line in admitted_lines] == [True] * len(PROMPTS)
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
