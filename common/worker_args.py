@@ -148,14 +148,15 @@ def engine_settings_from_args(args: argparse.Namespace, *, prefill: bool) -> Eng
 
 
 @contextlib.contextmanager
-def worker_engine(args: argparse.Namespace, *, prefill: bool):
+def worker_engine(args: argparse.Namespace, *, prefill: bool, follower_bands=None):
     """``with worker_engine(args, prefill=...) as (group, built):`` the worker's engine
     (``common.engine.factory.build_engine``), built on rank 0 of its ``--tp`` group, whose
-    followers start here and leave when the block ends."""
+    followers start here (each with ``follower_bands``, the service's handler of per-rank
+    stream messages: ``common/parallel/band_messages.py``) and leave when the block ends."""
     from common.engine.factory import build_engine
     from common.parallel.worker_group import engine_tp, settings_for_group, worker_group
 
-    group = worker_group(args)
+    group = worker_group(args, follower_bands)
     with group as tp:  # rank 0's share of a CPU's threads is set on entering
         settings = settings_for_group(engine_settings_from_args(args, prefill=prefill), group)
         if torch.device(settings.engine.device).type == "cpu":  # before the model loads

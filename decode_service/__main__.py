@@ -14,6 +14,7 @@ from common.parallel.worker_group import (handoff_transport, shares_pools_at,
                                           takes_rank_streams)
 from common.security import Security
 from common.worker_args import add_worker_args, run_worker, worker_engine
+from decode_service.follower_bands import DecodeFollowerBands
 from decode_service.server import build_decode_service
 
 SERVICE_NAME = "flashsplit.v1.Decode"
@@ -28,7 +29,9 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                                   metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca))
     transport = handoff_transport(args, "decode")
     # with --tp the followers start here and leave once the engine thread has stopped
-    with worker_engine(args, prefill=False) as (group, built):
+    # each follower lands its own heads of a handoff (per-rank streams) with this
+    with worker_engine(args, prefill=False,
+                       follower_bands=DecodeFollowerBands) as (group, built):
         llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
         service = build_decode_service(llm, layout, fingerprint, host=args.host,
                                        port=args.port, max_handoff_bytes=args.max_handoff_bytes,

@@ -64,7 +64,7 @@ class DecodeEngine(EngineLoop):
     def complete_bands(self, ticket: bytes, frames: tuple[int, ...],
                        idle_timeout_s: float) -> Future:
         """Tell the followers how many frames of ``ticket`` were sent to each rank: each
-        reports what landed once they have (``follower_bands.landed_key``)."""
+        reports what landed once they have (``band_messages.landed_key``)."""
         return self.call(self._followers.complete_bands, ticket, frames, idle_timeout_s)
 
     @property

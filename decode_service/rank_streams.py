@@ -19,7 +19,7 @@ from common.config import ModelConfig
 from common.handoff.errors import HandoffError
 from common.handoff.parts import TrailerPart
 from common.handoff.tcp_frames import TICKET_BYTES
-from common.parallel.follower_bands import landed_key, ready_key, take_reports
+from common.parallel.band_messages import landed_key, ready_key, take_reports, wait_for
 from common.parallel.rank_streams import bands_to, transfers
 from common.parallel.shard_plan import ShardingError
 from decode_service.band_receiver import BandReceiver, BandsLanded
@@ -111,12 +111,11 @@ class DecodeRankStreams:
 
 
 def take_reports_raw(store, keys: list[str], timeout_s: float) -> None:
-    """Wait for ``keys`` and delete them (their values say nothing more)."""
-    import datetime
-
+    """Wait for ``keys`` and delete them (their values say nothing more). On a timeout none
+    is deleted: the room is given back, and each follower deletes its own then."""
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except RuntimeError:
+        wait_for(store, keys, timeout_s)
+    except TimeoutError:
         raise HandoffError("DEADLINE_EXCEEDED", f"a decode rank did not take the handoff in "
                            f"{timeout_s} s") from None
     for key in keys:

@@ -15,6 +15,7 @@ from common.pb.flashsplit.v1 import prefill_pb2_grpc
 from common.security import Security
 from common.shutdown import GracefulShutdown
 from common.worker_args import add_worker_args, run_worker, worker_engine
+from prefill_service.follower_bands import PrefillFollowerBands
 from prefill_service.band_sender import BandSender, PrefillRankStreams
 from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
@@ -36,7 +37,9 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                                   metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca))
     transport = handoff_transport(args, "prefill")
     # with --tp the followers start here and leave once the engine thread has stopped
-    with worker_engine(args, prefill=True) as (group, built):
+    # each follower sends its own heads of a handoff (per-rank streams) with this
+    with worker_engine(args, prefill=True,
+                       follower_bands=PrefillFollowerBands) as (group, built):
         llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
         # before the engine thread starts: the pools move into memory decode workers can open
         shared = SharedPools(llm) if shares_pools_at(args, transport) else None

@@ -110,7 +110,7 @@ class PrefillEngine(EngineLoop):
 
     A job with ``rank_streams`` goes over per-rank streams instead: after each step the
     followers are told what it made final and send their own heads of it straight to the
-    decode ranks (``common/parallel/follower_bands.py``), and the report carries nothing
+    decode ranks (``common/parallel/band_messages.py``), and the report carries nothing
     gathered; this rank's sender sends its own part.
 
     Otherwise, with tensor parallelism (the engine's runner has followers) each step's report

@@ -32,7 +32,7 @@ from common.handoff.ledger import fold_checksums, new_ledgers
 from common.handoff.parts import HeaderPart, PoolCopyPart, TrailerPart
 from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc
-from common.parallel.follower_bands import sent_key, take_reports
+from common.parallel.band_messages import sent_key, take_reports
 from common.parallel.rank_streams import RankStreamPlan, transfers
 from prefill_service.band_sender import BandsSent, PrefillRankStreams, merge_sent
 from prefill_service.engine import StateReady

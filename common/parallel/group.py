@@ -37,7 +37,7 @@ class TensorParallelGroup:
             as ``device_group`` on the CPU; None at world size 1.
         store: the group's rendezvous store, which stays up while the group does: per-rank
             handoff streams report through it from any thread, out of step with the
-            collectives (``common/parallel/follower_bands.py``); None at world size 1.
+            collectives (``common/parallel/band_messages.py``); None at world size 1.
     """
 
     rank: int = 0

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 
 from common.engine.factory import EngineSettings
+from common.parallel.band_messages import BandHandlerFactory
 from common.parallel.launch import LocalGroup
 
 log = logging.getLogger(__name__)
@@ -61,10 +62,12 @@ def check_tp_args(args: argparse.Namespace) -> None:
                        expert_parallel=args.expert_parallel)
 
 
-def worker_group(args: argparse.Namespace) -> LocalGroup:
+def worker_group(args: argparse.Namespace,
+                 follower_bands: BandHandlerFactory | None = None) -> LocalGroup:
     """``with worker_group(args) as tp:`` this process as rank 0 of ``args.tp`` ranks, the
-    followers started (a group of one at ``--tp 1``: nothing starts)."""
-    return LocalGroup(args.tp, args.device)
+    followers started (a group of one at ``--tp 1``: nothing starts). ``follower_bands``: the
+    worker's handler of per-rank stream messages, made on each follower."""
+    return LocalGroup(args.tp, args.device, follower_bands=follower_bands)
 
 
 def settings_for_group(settings: EngineSettings, group: LocalGroup) -> EngineSettings:
