@@ -16,7 +16,8 @@ from common.security import Security
 from common.shutdown import GracefulShutdown
 from common.worker_args import add_worker_args, run_worker, worker_engine
 from prefill_service.follower_bands import PrefillFollowerBands
-from prefill_service.band_sender import BandSender, PrefillRankStreams
+from prefill_service.band_sender import BandSender
+from prefill_service.leader_bands import PrefillRankStreams
 from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
 from prefill_service.shared_pools import SharedPools

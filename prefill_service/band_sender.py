@@ -9,7 +9,7 @@ Pages and the slot of a held request are not written again until it is released,
 them while later forwards run is safe. Each band's bytes are recorded once in its layer's
 checksum ledger however many decode ranks it goes to; ``finish`` flushes the connections and
 returns the frames each decode rank was sent and each band's CRC-32C, which rank 0 puts in the
-trailer.
+trailer (``prefill_service/leader_bands.py``).
 """
 
 from __future__ import annotations
@@ -216,33 +216,3 @@ class BandSender:
         connections, out.connections = out.connections, {}
         for connection in connections.values():
             connection.close()
-
-
-@dataclass(frozen=True)
-class PrefillRankStreams:
-    """A prefill worker's side of per-rank streams: rank 0's own sender, the group's size and
-    store (where the followers report what they sent), whether every handoff must take them
-    (``--tp-handoff ranks``), and the internal token the decode ranks' listeners check."""
-
-    sender: BandSender
-    tp_size: int
-    store: object | None
-    required: bool
-    token: str | None = field(default=None, repr=False)
-    report_timeout_s: float = 120.0
-
-
-def merge_sent(reports: list[BandsSent]) -> BandsSent:
-    """Every prefill rank's report as one: frames per decode rank summed, checksums joined
-    (each band has one sender), the first error."""
-    width = max((len(r.frames) for r in reports), default=0)
-    frames = [0] * width
-    checksums: dict[str, int] = {}
-    error = None
-    for rank, report in enumerate(reports):
-        for dst, count in enumerate(report.frames):
-            frames[dst] += count
-        checksums.update(report.checksums)
-        if report.error is not None and error is None:
-            error = f"prefill rank {rank}: {report.error}"
-    return BandsSent(tuple(frames), checksums, sum(r.nbytes for r in reports), error)

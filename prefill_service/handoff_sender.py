@@ -25,17 +25,16 @@ import torch
 from common import convert
 from common.auth import TOKEN_HEADER
 from common.channels import ChannelSecurity, make_channel
-from common.handoff.bands import BANDED_FIELDS
 from common.handoff.tcp_frames import tcp_host
 from common.handoff.transports import takes_tcp_with
 from common.handoff.ledger import fold_checksums, new_ledgers
 from common.handoff.parts import HeaderPart, PoolCopyPart, TrailerPart
 from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc
-from common.parallel.band_messages import sent_key, take_reports
-from common.parallel.rank_streams import RankStreamPlan, transfers
-from prefill_service.band_sender import BandsSent, PrefillRankStreams, merge_sent
+from common.parallel.rank_streams import RankStreamPlan
 from prefill_service.engine import StateReady
+from prefill_service.leader_bands import (LeaderBands, PrefillRankStreams, RankStreamsRefused,
+                                          take_plan, unbanded)
 from prefill_service.message_feed import feed_from_thread
 from prefill_service.shared_pools import SharedPools
 from prefill_service.state_reader import PromptShape, StateReader
@@ -132,13 +131,17 @@ class HandoffStream:
         self._rank = rank_streams
         # per-rank streams, when the receiver took them (set by open): every rank sends its
         # own heads of kv, conv_state and ssm_state; this call carries the rest
-        self.rank_plan: RankStreamPlan | None = None
-        self._band_sends: list = []
+        self._bands: LeaderBands | None = None
 
     @property
     def tcp_connection_count(self) -> int:
         """Connections this handoff's chunks are spread over (0: not over TCP)."""
         return len(self._connections)
+
+    @property
+    def rank_plan(self) -> RankStreamPlan | None:
+        """The per-rank streams' plan, when this handoff takes them (known once opened)."""
+        return self._bands.plan if self._bands is not None else None
 
     @property
     def over_tcp(self) -> bool:
@@ -167,31 +170,15 @@ class HandoffStream:
             self._call.cancel()
             raise HandoffTransportError(f"the decode worker takes no chunks over TCP: {why}; "
                                         "use --handoff-transport auto or stream")
-        if self._rank is not None:
-            self._take_rank_streams(accepted)
-
-    def _take_rank_streams(self, accepted) -> None:
-        """Per-rank streams when the receiver listed its ranks' ports, else (``--tp-handoff
-        ranks``) HandoffTransportError."""
-        host = tcp_host(self._address)
-        if accepted.rank_ports and host is not None:
-            plan = RankStreamPlan(host, tuple(accepted.rank_ports), accepted.rank_ticket,
-                                  self._rank.token, self.header.prompt_len,
-                                  self.header.layout.page_size, self._rank.tp_size)
-            config = self._rank.sender.config
-            try:  # the receiver's size must split the heads as ours does
-                transfers(config, plan.src_tp, plan.dst_tp)
-            except ValueError as exc:
+        if self._rank is not None:  # per-rank streams, where the receiver listed its ranks
+            try:
+                plan = take_plan(self._rank, accepted, self._address, self.header)
+            except RankStreamsRefused as exc:
                 self._call.cancel()
-                raise HandoffTransportError(f"the decode worker's {plan.dst_tp} ranks: "
-                                            f"{exc}") from None
-            self.rank_plan = plan
-        elif self._rank.required:
-            self._call.cancel()
-            raise HandoffTransportError(
-                "the decode worker takes no per-rank streams (--tp-handoff leader, TLS, "
-                "--handoff-transport stream, or a worker that predates them): use "
-                "--tp-handoff auto or leader")
+                raise HandoffTransportError(str(exc)) from None
+            if plan is not None:
+                self._bands = LeaderBands(self._rank, plan, self.header.handoff_id,
+                                          self._executor)
 
     async def _connect(self, port: int, ticket: bytes) -> str:
         """Take connections to the receiver's listener; says why not when none can be made."""
@@ -243,7 +230,7 @@ class HandoffStream:
                 await self._call.write(message)
             return
         ranges = []  # (field, first page, end page) newly final
-        fields = [] if self.rank_plan is not None else [("kv", ready.num_pages)]
+        fields = [] if self._bands is not None else [("kv", ready.num_pages)]
         if "dflash_context" in self.header.manifest:
             fields.append(("dflash_context", ready.final_draft_pages))
         for name, end in fields:
@@ -253,8 +240,8 @@ class HandoffStream:
                 self._sent[name] = end
         states = ready.final_states and not self._states_sent
         self._states_sent = self._states_sent or states
-        if self.rank_plan is not None:
-            self._send_own_bands(ready, states)
+        if self._bands is not None:
+            self._bands.queue(ready)
             states = False  # the GDN state is banded too: nothing of it goes on this call
             if not ranges:
                 return
@@ -273,34 +260,6 @@ class HandoffStream:
             async for message in messages:
                 self.bytes_sent += len(message)
                 await self._call.write(message)
-
-    def _send_own_bands(self, ready: StateReady, states: bool) -> None:
-        """Queue this rank's bands of what ``ready`` made final on its band sender, whose
-        thread waits for the step that wrote them."""
-        start, end = self._sent["kv"], ready.num_pages
-        if end <= start and not states:
-            return
-        self._sent["kv"] = max(start, end)
-        self._band_sends.append(self._rank.sender.send(
-            self.header.handoff_id, self.rank_plan, ready.page_ids[start:max(start, end)],
-            start, ready.slot if states else None, wait=lambda: _step_over(ready)))
-
-    async def _bands_sent(self) -> BandsSent:
-        """What every rank sent on its streams, once every one has written it all: this
-        rank's from its sender, the followers' through the group's store."""
-        loop = asyncio.get_running_loop()
-        for sending in self._band_sends:
-            await asyncio.wrap_future(sending)
-        reports = [await asyncio.wrap_future(self._rank.sender.finish(self.header.handoff_id))]
-        keys = [sent_key(self.header.handoff_id, r) for r in range(1, self._rank.tp_size)]
-        if keys:
-            reports += await loop.run_in_executor(
-                self._executor, take_reports, self._rank.store, keys,
-                self._rank.report_timeout_s)
-        sent = merge_sent(reports)
-        if sent.error is not None:
-            raise RuntimeError(f"a per-rank stream failed: {sent.error}")
-        return sent
 
     async def _send_over_tcp(self, produce) -> None:
         """Read ``produce()``'s frames on a sender thread and spread them over the
@@ -344,12 +303,12 @@ class HandoffStream:
         """Write the trailer, close, and wait for decode's ``ack`` (the request is admitted)."""
         # every field went as pool copies, or as bytes with a checksum
         manifest = self.header.manifest
-        if self.rank_plan is not None:  # these went as bands, checksummed by their senders
-            manifest = {n: s for n, s in manifest.items() if n not in BANDED_FIELDS}
+        if self._bands is not None:  # these went as bands, checksummed by their senders
+            manifest = unbanded(manifest)
         checksums = {} if self.pool_copies else fold_checksums(manifest, self._ledgers)
         rank_chunks: tuple[int, ...] = ()
-        if self.rank_plan is not None:
-            sent = await self._bands_sent()
+        if self._bands is not None:
+            sent = await self._bands.collect()
             checksums.update(sent.checksums)
             rank_chunks = sent.frames
             self.bytes_sent += sent.nbytes
@@ -373,20 +332,9 @@ class HandoffStream:
 
     def cancel(self) -> None:
         self._drop_connections()  # a no-op after finish, which gave it back
-        if self.rank_plan is not None:
-            self._rank.sender.drop(self.header.handoff_id)  # a no-op once finished
+        if self._bands is not None:
+            self._bands.drop()
         self._call.cancel()
-
-
-def _step_over(ready: StateReady) -> None:
-    """Block until the step that wrote ``ready``'s state is over (its last layer has run)."""
-    progress = ready.layer_ready
-    if progress is not None:
-        event = progress.wait(progress.num_layers - 1)
-        if event is not None:
-            event.synchronize()
-    elif ready.ready is not None:
-        ready.ready.synchronize()
 
 
 class HandoffSender:

@@ -16,7 +16,8 @@ from common.model.load import load_config
 from common.parallel.rank_streams import RankStreamPlan, held_ranges
 from decode_service.band_receiver import BandReceiver
 from decode_service.tcp_listener import TcpHandoffListener
-from prefill_service.band_sender import BandSender, merge_sent
+from prefill_service.band_sender import BandSender
+from prefill_service.leader_bands import merge_sent
 from prefill_service.tcp_connections import TcpConnections
 
 PAGE, PROMPT, LAYERS, GDN_LAYERS, W = 4, 10, 2, 3, 3  # 3 pages, the last one half full
