@@ -130,6 +130,10 @@ class PrefillEngine(EngineLoop):
         self._reported: dict[str, int] = {}  # pages already reported per request
         # a sink that raised while a forward was queued: the request ends after that step
         self._broken: dict[str, Exception] = {}
+        # requests on per-rank streams whose followers are not yet told that they ended: told
+        # once whatever the end (success included), each drops what it holds and deletes its
+        # report from the group's store (``prefill_service/follower_bands.py``)
+        self._banded: set[str] = set()
         # the tensor-parallel followers, whose parts of a request's state are gathered here
         self._followers = engine.runner.followers
         if self._followers is None:  # sharded pools cannot be read layer by layer
@@ -169,14 +173,16 @@ class PrefillEngine(EngineLoop):
         key = str(job.handoff_id)
         self.engine.add_request(list(job.spec.prompt_ids), job.spec.sampling, request_id=key)
         self._jobs[key] = (job, result, sink)
+        if self._followers is not None and job.rank_streams is not None:
+            self._banded.add(key)
         self._reported[key] = 0
         self._submitted[key] = submitted
 
     def _abort(self, key: str) -> bool:
         found = self.engine.abort(key)
         entry = self._finish(key)
+        self._drop_bands(key)  # the server aborts every request once its handoff is over
         if entry is not None:
-            self._drop_bands(entry[0])
             self.metrics.prompt_aborted()
             resolve(entry[1], error=PrefillAborted(f"handoff {key} was aborted"))
         return found
@@ -259,7 +265,7 @@ class PrefillEngine(EngineLoop):
             except Exception as exc:  # the sink's owner is gone: end this request only
                 log.exception("handoff %s: reporting progress failed", key)
                 self._finish(key)
-                self._drop_bands(job)
+                self._drop_bands(key)
                 resolve(result, error=RuntimeError(f"reporting prefill progress failed: {exc}"))
                 self.engine.release(key)
                 continue
@@ -277,10 +283,12 @@ class PrefillEngine(EngineLoop):
                                             req.page_ids[since:pages],
                                             req.slot if final else None)
 
-    def _drop_bands(self, job: PrefillJob) -> None:
-        """A request that ends before its handoff did: the followers stop sending its bands."""
-        if self._followers is not None and job.rank_streams is not None:
-            self._followers.drop_bands(job.handoff_id)
+    def _drop_bands(self, key: str) -> None:
+        """A request on per-rank streams ended (its handoff acknowledged, failed or never to
+        finish): the followers stop sending its bands and forget it, once."""
+        if key in self._banded:
+            self._banded.discard(key)
+            self._followers.drop_bands(int(key))
 
     def _finish(self, key: str) -> tuple[PrefillJob, Future, ReadySink] | None:
         """Stop tracking a request; its entry, if it was tracked."""
@@ -300,6 +308,7 @@ class PrefillEngine(EngineLoop):
         for _, result, _ in self._jobs.values():
             resolve(result, error=RuntimeError(f"prefill engine failed: {exc}"))
         self._jobs.clear()
+        self._banded.clear()
         self._reported.clear()
         self._broken.clear()
         self._submitted.clear()
