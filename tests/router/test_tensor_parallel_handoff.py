@@ -129,6 +129,24 @@ def test_up_passes_each_kind_its_tp():
     assert (config.prefill_tp, config.decode_tp) == (2, 4)
 
 
+@pytest.mark.parametrize("path", ["auto", "ranks", "leader"])
+def test_up_passes_every_worker_its_tp_handoff(path):
+    args = build_parser().parse_args(["up", "--prefill-tp", "2", "--tp-handoff", path])
+    config = cluster_config_from_args(args)
+    # worker_args go to every worker, prefill and decode alike
+    assert config.worker_args == ("--tp-handoff", path)
+    assert (config.prefill_args, config.decode_args) == ((), ())
+
+
+def test_up_leaves_the_tp_handoff_to_the_workers_unless_given_and_refuses_another(capsys):
+    config = cluster_config_from_args(build_parser().parse_args(["up"]))
+    assert "--tp-handoff" not in config.worker_args
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["up", "--tp-handoff", "rank0"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'rank0'" in capsys.readouterr().err
+
+
 LONG_PROMPT = [(i * 37 + 11) % 256 for i in range(600)]  # 120 chunks of 5 tokens
 
 
