@@ -7,6 +7,7 @@ until each follower says it does, so that no frame of a prefill rank can reach a
 before its inbox exists. At the trailer :meth:`verify` has every rank report what landed
 (the followers through the group's store) and compares each band's CRC-32C with the
 trailer's: a refusal names the decode rank and keeps the status of docs/protocol.md.
+:func:`open_rank_streams` sets it up when the worker starts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from common.parallel.band_messages import landed_key, ready_key, take_reports, w
 from common.parallel.rank_streams import bands_to, transfers
 from common.parallel.shard_plan import ShardingError
 from decode_service.band_receiver import BandReceiver, BandsLanded
+from decode_service.tcp_listener import TcpHandoffListener
 
 
 class DecodeRankStreams:
@@ -120,3 +122,17 @@ def take_reports_raw(store, keys: list[str], timeout_s: float) -> None:
                            f"{timeout_s} s") from None
     for key in keys:
         store.delete_key(key)
+
+
+def open_rank_streams(llm, tcp: TcpHandoffListener, host: str,
+                      token: str | None) -> DecodeRankStreams:
+    """A decode worker's per-rank streams at start-up: rank 0's receiver over the worker's
+    listener ``tcp`` in engine ``llm``'s pools, and a listener on every follower (they open
+    theirs now, before the engine thread starts broadcasting), checking ``token``."""
+    receiver = BandReceiver(tcp, llm.model.config, 0, llm.model.tp.world_size, llm.kv_pool.kv,
+                            llm.state_pool.conv, llm.state_pool.ssm)
+    followers = llm.runner.followers
+    ports = [tcp.port]
+    if followers is not None:
+        ports += followers.open_band_listeners(host, token)[1:]
+    return DecodeRankStreams(receiver, tuple(ports), llm.model.tp.store, llm.model.config)

@@ -33,11 +33,10 @@ from common.security import ServerSecurity
 from common.shutdown import GracefulShutdown
 from common.handoff.transports import shares_pools, takes_tcp_with
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
-from decode_service.band_receiver import BandReceiver
 from decode_service.chunk_landings import ChunkLandings
 from decode_service.engine import DecodeEngine
 from decode_service.peer_pools import PeerPools
-from decode_service.rank_streams import DecodeRankStreams
+from decode_service.rank_streams import DecodeRankStreams, open_rank_streams
 from decode_service.streams import TokenStreams
 from decode_service.tcp_feed import TcpFeed
 from decode_service.tcp_listener import TcpHandoffListener
@@ -331,7 +330,7 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
     tcp = (TcpHandoffListener(host, handoff_port, security.accepts,
                               pin_memory=llm.kv_pool.kv.device.type == "cuda")
            if takes_tcp_with(transport, security.tls) else None)
-    ranks = _rank_streams(llm, tcp, host, band_token) if rank_streams and tcp else None
+    ranks = open_rank_streams(llm, tcp, host, band_token) if rank_streams and tcp else None
     streams = TokenStreams(asyncio.get_running_loop())
     engine = DecodeEngine(llm, streams.post, ranks.receiver if ranks is not None else None)
     engine.start()
@@ -342,19 +341,6 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
                                        rank_streams=ranks),
                         server)
     return DecodeService(server, health, engine, address, shutdown, tcp, ranks)
-
-
-def _rank_streams(llm: LLMEngine, tcp: TcpHandoffListener, host: str,
-                  token: str | None) -> DecodeRankStreams:
-    """Rank 0's receiver over the worker's listener, and a listener on every follower (they
-    open theirs now, before the engine thread starts broadcasting)."""
-    receiver = BandReceiver(tcp, llm.model.config, 0, llm.model.tp.world_size, llm.kv_pool.kv,
-                            llm.state_pool.conv, llm.state_pool.ssm)
-    followers = llm.runner.followers
-    ports = [tcp.port]
-    if followers is not None:
-        ports += followers.open_band_listeners(host, token)[1:]
-    return DecodeRankStreams(receiver, tuple(ports), llm.model.tp.store, llm.model.config)
 
 
 async def _until_idle(messages, timeout_s: float,
