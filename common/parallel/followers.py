@@ -258,4 +258,3 @@ class Follower:
         if self.last_batch is None or self.last_batch.mode != ForwardMode.VERIFY:
             raise RuntimeError("a commit without a VERIFY forward before it")
         self.model.commit_verified(self.last_batch, accepted_lens, state_pool=self.state_pool)
-
