@@ -185,14 +185,15 @@ def handoff_part_to_pb(part: HandoffPart) -> decode_pb2.HandoffMessage:
             handoff_id=part.handoff_id, model_fingerprint=part.fingerprint,
             layout=layout_to_pb(part.layout), prompt_len=part.prompt_len,
             manifest=manifest_to_bytes(part.manifest), source_pools=part.source_pools,
-            **request_spec_to_pb(part.spec)))
+            rank_streams=part.rank_streams, **request_spec_to_pb(part.spec)))
     if isinstance(part, PoolCopyPart):
         return decode_pb2.HandoffMessage(pool_copy=decode_pb2.PoolCopy(
             field=part.field, src_index=list(part.src_index), dst_start=part.dst_start))
     if isinstance(part, TrailerPart):
         trailer = decode_pb2.HandoffTrailer(crc32c=dict(part.checksums),
                                             first_token=part.first_token,
-                                            tcp_chunks=part.tcp_chunks)
+                                            tcp_chunks=part.tcp_chunks,
+                                            rank_chunks=list(part.rank_chunks))
         if part.first_logprobs is not None:
             trailer.first_token_logprobs.CopyFrom(logprobs_to_pb(part.first_logprobs))
         return decode_pb2.HandoffMessage(trailer=trailer)
@@ -217,7 +218,8 @@ def handoff_part_from_pb(msg: decode_pb2.HandoffMessage) -> HandoffPart:
             raise HandoffError("INVALID_ARGUMENT", f"trailer: {err}") from None
         return TrailerPart(checksums=dict(t.crc32c),
                            first_token=t.first_token if t.HasField("first_token") else None,
-                           first_logprobs=first_logprobs, tcp_chunks=t.tcp_chunks)
+                           first_logprobs=first_logprobs, tcp_chunks=t.tcp_chunks,
+                           rank_chunks=tuple(t.rank_chunks))
     if kind != "header":
         raise HandoffError("INVALID_ARGUMENT", "handoff message carries no part")
     h = msg.header
@@ -232,7 +234,8 @@ def handoff_part_from_pb(msg: decode_pb2.HandoffMessage) -> HandoffPart:
         raise HandoffError("INVALID_ARGUMENT", f"bad request in the header: {err}") from None
     return HeaderPart(
         handoff_id=h.handoff_id, fingerprint=h.model_fingerprint, layout=layout_from_pb(h.layout),
-        spec=spec, manifest=manifest_from_bytes(h.manifest), source_pools=h.source_pools)
+        spec=spec, manifest=manifest_from_bytes(h.manifest), source_pools=h.source_pools,
+        rank_streams=h.rank_streams)
 
 
 # load

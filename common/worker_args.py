@@ -21,7 +21,8 @@ from common.metrics.server import add_metrics_port_arg
 from common.metrics.tls import metrics_ssl_context
 from common.model.registry import DEFAULT_MODEL
 from common.parallel.launch import rank_devices
-from common.parallel.worker_group import add_tp_arg, check_tp_args, shares_pools_at
+from common.parallel.worker_group import (add_tp_arg, check_tp_args, shares_pools_at,
+                                          takes_rank_streams)
 from common.security import add_security_args
 from common.engine.scheduler import SchedulerConfig, default_max_prefill_tokens
 from common.handoff.transports import HANDOFF_TRANSPORTS, takes_tcp_with
@@ -147,14 +148,15 @@ def engine_settings_from_args(args: argparse.Namespace, *, prefill: bool) -> Eng
 
 
 @contextlib.contextmanager
-def worker_engine(args: argparse.Namespace, *, prefill: bool):
+def worker_engine(args: argparse.Namespace, *, prefill: bool, follower_bands=None):
     """``with worker_engine(args, prefill=...) as (group, built):`` the worker's engine
     (``common.engine.factory.build_engine``), built on rank 0 of its ``--tp`` group, whose
-    followers start here and leave when the block ends."""
+    followers start here (each with ``follower_bands``, the service's handler of per-rank
+    stream messages: ``common/parallel/band_messages.py``) and leave when the block ends."""
     from common.engine.factory import build_engine
     from common.parallel.worker_group import engine_tp, settings_for_group, worker_group
 
-    group = worker_group(args)
+    group = worker_group(args, follower_bands)
     with group as tp:  # rank 0's share of a CPU's threads is set on entering
         settings = settings_for_group(engine_settings_from_args(args, prefill=prefill), group)
         if torch.device(settings.engine.device).type == "cpu":  # before the model loads
@@ -197,6 +199,7 @@ def run_worker(args: argparse.Namespace, serve) -> int:
         if args.metrics_port is not None:  # its TLS files are checked before the model loads
             metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca)
         takes_tcp_with(args.handoff_transport, security.tls)  # tcp is refused beside TLS
+        takes_rank_streams(args, args.handoff_transport, security.tls)
         check_tp_args(args)  # ShardingError names what the size must divide
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -10,9 +10,11 @@ from common.cli_help import HelpFormatter, description
 from common.grpc_util import serve_until_signal
 from common.metrics.server import bind_metrics, start_metrics
 from common.metrics.tls import metrics_ssl_context
-from common.parallel.worker_group import handoff_transport, shares_pools_at
+from common.parallel.worker_group import (handoff_transport, shares_pools_at,
+                                          takes_rank_streams)
 from common.security import Security
 from common.worker_args import add_worker_args, run_worker, worker_engine
+from decode_service.follower_bands import DecodeFollowerBands
 from decode_service.server import build_decode_service
 
 SERVICE_NAME = "flashsplit.v1.Decode"
@@ -27,17 +29,25 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                                   metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca))
     transport = handoff_transport(args, "decode")
     # with --tp the followers start here and leave once the engine thread has stopped
-    with worker_engine(args, prefill=False) as (group, built):
+    # each follower lands its own heads of a handoff (per-rank streams) with this
+    with worker_engine(args, prefill=False,
+                       follower_bands=DecodeFollowerBands) as (group, built):
         llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
         service = build_decode_service(llm, layout, fingerprint, host=args.host,
                                        port=args.port, max_handoff_bytes=args.max_handoff_bytes,
                                        security=server_security, transport=transport,
                                        idle_timeout_s=args.handoff_idle_timeout,
                                        handoff_port=args.handoff_port,
-                                       open_peer_pools=shares_pools_at(args, transport))
+                                       open_peer_pools=shares_pools_at(args, transport),
+                                       rank_streams=takes_rank_streams(args, transport,
+                                                                       security.tls),
+                                       band_token=security.internal_token)
         start_metrics(metrics_server, service.engine.metrics.registry, "flashsplit-decode")
         if service.tcp is not None:
             log.info("handoff chunks over TCP: listening on port %d", service.tcp.port)
+        if service.rank_streams is not None:
+            log.info("per-rank handoff streams: rank listeners on ports %s",
+                     list(service.rank_streams.ports))
         try:
             return await serve_until_signal(
                 service.server, service.health, [SERVICE_NAME],

@@ -1,9 +1,12 @@
 """The decode worker's engine: admits handed-off requests into its pools and runs continuous
 batching over them on its own thread. Imports no grpc.
 
-With tensor parallelism a handoff's KV and GDN state land whole on this rank (a staging state
-per reservation) and are scattered to every rank's pools at admission: the scatter is a
-collective of the whole group, so it runs here, on the engine thread, between steps."""
+With tensor parallelism a handoff's KV and GDN state come on per-rank streams, each rank
+landing its own heads in its own pools (every rank is told at reservation, and forgets the
+handoff when its room is given back, here on the engine thread, in order with the steps);
+or, where the sender cannot, they land whole on this rank (a staging state per reservation)
+and are scattered to every rank's pools at admission: the scatter is a collective of the
+whole group, so it runs here, on the engine thread, between steps."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from common.handoff.parts import HeaderPart
 from common.logprobs import TokenLogprobs
 from common.metrics.decode_metrics import DecodeMetrics
 from common.parallel.prompt_state import PromptState
+from decode_service.band_receiver import BandReceiver
 from decode_service.peer_pools import SourcePools
 from decode_service.reservation import PoolReservation
 
@@ -33,7 +37,8 @@ EventSink = Callable[[TokenEvent], None]
 
 
 class DecodeEngine(EngineLoop):
-    def __init__(self, engine: LLMEngine, sink: EventSink) -> None:
+    def __init__(self, engine: LLMEngine, sink: EventSink,
+                 bands: BandReceiver | None = None) -> None:
         super().__init__("decode-engine", engine.config.cpu_threads)
         if engine.config.hold_after_prefill:
             raise ValueError("a decode engine continues requests; hold_after_prefill must be off")
@@ -41,16 +46,26 @@ class DecodeEngine(EngineLoop):
         self.sink = sink
         # the tensor-parallel followers, which take their parts of each admitted state
         self._followers = engine.runner.followers
+        # rank 0's receiver of per-rank streams (None: this worker takes none)
+        self._bands = bands
         self.metrics = DecodeMetrics(self.load, block_size=engine.speculator.block_size
                                      if engine.speculator is not None else None)
 
     # --- any thread ---
-    def reserve(self, header: HeaderPart, source: SourcePools | None = None) -> Future:
+    def reserve(self, header: HeaderPart, source: SourcePools | None = None,
+                rank_ticket: bytes | None = None) -> Future:
         """A future of the :class:`PoolReservation` for a handoff's header, taken on the engine
         thread; it fails with RESOURCE_EXHAUSTED (no room) or FAILED_PRECONDITION (a draft
         context this worker's draft cannot use). ``source``: the sender's pools, when the
-        handoff comes as pool copies."""
-        return self.call(self._reserve, header, source)
+        handoff comes as pool copies. ``rank_ticket``: its state comes on per-rank streams
+        under this ticket; every rank is told to take it into the reserved pages and slot."""
+        return self.call(self._reserve, header, source, rank_ticket)
+
+    def complete_bands(self, ticket: bytes, frames: tuple[int, ...],
+                       idle_timeout_s: float) -> Future:
+        """Tell the followers how many frames of ``ticket`` were sent to each rank: each
+        reports what landed once they have (``band_messages.landed_key``)."""
+        return self.call(self._followers.complete_bands, ticket, frames, idle_timeout_s)
 
     @property
     def pools(self) -> SourcePools:
@@ -72,7 +87,8 @@ class DecodeEngine(EngineLoop):
         return self.engine.load()
 
     # --- engine thread ---
-    def _reserve(self, header: HeaderPart, source: SourcePools | None) -> PoolReservation:
+    def _reserve(self, header: HeaderPart, source: SourcePools | None,
+                 rank_ticket: bytes | None = None) -> PoolReservation:
         e = self.engine
         extra = sorted(set(header.manifest) - set(REQUIRED_FIELDS) - {"dflash_context"})
         if extra:
@@ -94,16 +110,35 @@ class DecodeEngine(EngineLoop):
             after = torch.cuda.Event()
             after.record()
         staged = None
-        if self._followers is not None:
+        if rank_ticket is not None:  # every rank lands its own heads
+            self._expect_bands(rank_ticket, header, page_ids, slot)
+        elif self._followers is not None:
             staged = PromptState.zeros_full(e.model.shard_plan, e.kv_pool, e.state_pool,
                                             e.kv_pool.pages_for(header.prompt_len))
-        return PoolReservation(
+        reservation = PoolReservation(
             header, page_ids, slot, kv=e.kv_pool.kv, conv=e.state_pool.conv,
             ssm=e.state_pool.ssm, draft_kv=e.speculator.draft_pool.kv if speculate else None,
-            free=lambda ids, s: self.call(self._free_room, ids, s), after=after, source=source,
-            staged=staged)
+            free=lambda ids, s: self.call(self._free_room, ids, s, rank_ticket), after=after,
+            source=source, staged=staged)
+        reservation.rank_ticket = rank_ticket
+        return reservation
 
-    def _free_room(self, page_ids: list[int], slot: int) -> None:
+    def _expect_bands(self, ticket: bytes, header: HeaderPart, page_ids: list[int],
+                      slot: int) -> None:
+        pages = page_ids[:self.engine.kv_pool.pages_for(header.prompt_len)]
+        page_size = self.engine.kv_pool.page_size
+        self._bands.expect(ticket, pages, slot, header.prompt_len, page_size,
+                           header.rank_streams)
+        if self._followers is not None:
+            self._followers.expect_bands(ticket, pages, slot, header.prompt_len, page_size,
+                                         header.rank_streams)
+
+    def _free_room(self, page_ids: list[int], slot: int, rank_ticket: bytes | None = None) -> None:
+        if rank_ticket is not None:
+            # every rank stops landing in these pages before anything else may take them
+            self._bands.forget(rank_ticket)
+            if self._followers is not None:
+                self._followers.forget_bands(rank_ticket)
         self.engine.cache.give_back(page_ids, slot)
 
     def _check_draft_context(self, header: HeaderPart) -> None:

@@ -100,6 +100,9 @@ class PoolReservation:
         self.slot = slot
         self._kv, self._conv, self._ssm, self._draft_kv = kv, conv, ssm, draft_kv
         self.staged = staged
+        # per-rank streams: the ticket every rank takes this handoff's bands under (set by
+        # the engine; kv, conv_state and ssm_state then never land here)
+        self.rank_ticket: bytes | None = None
         # where kv, conv_state and ssm_state land: the pools, or the staging state
         self._landing = (page_ids, slot)
         if staged is not None:

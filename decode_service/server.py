@@ -36,6 +36,7 @@ from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from decode_service.chunk_landings import ChunkLandings
 from decode_service.engine import DecodeEngine
 from decode_service.peer_pools import PeerPools
+from decode_service.rank_streams import DecodeRankStreams, open_rank_streams
 from decode_service.streams import TokenStreams
 from decode_service.tcp_feed import TcpFeed
 from decode_service.tcp_listener import TcpHandoffListener
@@ -48,8 +49,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                  fingerprint: str, address: str, max_handoff_bytes: int,
                  shutdown: GracefulShutdown | None = None,
                  transport: str = "auto", idle_timeout_s: float = 60.0,
-                 tcp: TcpHandoffListener | None = None, open_peer_pools: bool = True) -> None:
+                 tcp: TcpHandoffListener | None = None, open_peer_pools: bool = True,
+                 rank_streams: DecodeRankStreams | None = None) -> None:
         self.engine = engine
+        # per-rank streams (None: every handoff lands on this rank, scattered if sharded)
+        self.rank_streams = rank_streams
         # longer than any wait between two parts of a live handoff: a prompt queued on its
         # prefill worker, or the longest prefill chunk
         self.idle_timeout_s = idle_timeout_s
@@ -71,11 +75,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="handoff-writer",
                                          initializer=torch.set_num_threads, initargs=(1,))
 
-    async def _reserve(self, header: HeaderPart, source):
+    async def _reserve(self, header: HeaderPart, source, rank_ticket: bytes | None = None):
         """Room for a checked header, taken on the engine thread."""
         if self.streams.is_aborted(header.handoff_id):
             raise HandoffError("ABORTED", f"handoff {header.handoff_id} was aborted")
-        future = self.engine.reserve(header, source)
+        future = self.engine.reserve(header, source, rank_ticket)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -94,7 +98,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         loop = asyncio.get_running_loop()
         landings = ChunkLandings(assembler, self.writer)
         reservation = None
+        rank_ticket = None  # when the state comes on per-rank streams
         feed: TcpFeed | None = None  # when the chunks come over TCP
+        banded_bytes = 0
         began = time.perf_counter()  # the header is the call's first message
         try:
             async for message in _until_idle(
@@ -107,10 +113,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     bind_request_id(part.spec.request_id)
                     source = await loop.run_in_executor(self.writer, self.peers.open,
                                                         part.source_pools)
-                    assembler.start(part, await self._reserve(part, source),
-                                    pool_copies=source is not None)
+                    ranks = self.rank_streams
+                    if source is None and ranks is not None and ranks.takes(part.rank_streams):
+                        rank_ticket = ranks.new_ticket()
+                    assembler.start(part, await self._reserve(part, source, rank_ticket),
+                                    pool_copies=source is not None,
+                                    bands=(ranks.band_names(part.rank_streams)
+                                           if rank_ticket is not None else None))
                     accepted = decode_pb2.HandoffAccepted(handoff_id=part.handoff_id,
                                                           pool_copies=source is not None)
+                    if rank_ticket is not None:
+                        # no prefill rank may send before every rank takes the ticket
+                        await ranks.ready(rank_ticket, self.idle_timeout_s)
+                        accepted.rank_ports.extend(ranks.ports)
+                        accepted.rank_ticket = rank_ticket
                     if source is None and self.tcp is not None:
                         feed = TcpFeed(self.tcp.offer(loop), landings)
                         feed.start()
@@ -144,7 +160,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     if feed is not None:
                         await feed.wait_for(part.tcp_chunks, self.idle_timeout_s)
                     await landings.drain()  # the trailer's checks need every chunk's CRC
+                    if part.rank_chunks and rank_ticket is None:
+                        raise HandoffError("INVALID_ARGUMENT", "the trailer counts per-rank "
+                                           "frames, but this handoff was not given ranks")
                     assembler.on_part(part)
+                    if rank_ticket is not None:
+                        banded_bytes = await self.rank_streams.verify(
+                            rank_ticket, assembler.header.rank_streams, part,
+                            self._complete_followers(rank_ticket), self.idle_timeout_s)
             await landings.drain()
             # DATA_LOSS if the stream ended before the trailer; else the verified reservation
             reservation = assembler.on_end()
@@ -181,12 +204,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:
             if feed is not None:
                 feed.offer.withdraw()
-        self.metrics.handoff_admitted(assembler.bytes_received, time.perf_counter() - began)
-        log.info("handoff %016x admitted: %d prompt tokens, %d bytes",
-                 assembler.header.handoff_id, assembler.header.prompt_len,
-                 assembler.bytes_received)
+        received = assembler.bytes_received + banded_bytes
+        self.metrics.handoff_admitted(received, time.perf_counter() - began)
+        log.info("handoff %016x admitted: %d prompt tokens, %d bytes, %s",
+                 assembler.header.handoff_id, assembler.header.prompt_len, received,
+                 "on per-rank streams" if rank_ticket is not None else "through rank 0")
         yield decode_pb2.HandoffReply(ack=decode_pb2.HandoffAck(
-            handoff_id=assembler.header.handoff_id, bytes_received=assembler.bytes_received))
+            handoff_id=assembler.header.handoff_id, bytes_received=received))
+
+    def _complete_followers(self, ticket: bytes):
+        async def complete(frames: tuple[int, ...]) -> None:
+            await asyncio.wrap_future(self.engine.complete_bands(ticket, frames,
+                                                                 self.idle_timeout_s))
+        return complete
 
     async def Stream(self, request: decode_pb2.StreamRequest, context):
         handoff_id = request.handoff_id
@@ -264,6 +294,7 @@ class DecodeService:
     address: str
     shutdown: GracefulShutdown
     tcp: TcpHandoffListener | None = None  # the tcp transport's listener
+    rank_streams: DecodeRankStreams | None = None
 
     async def stop(self) -> None:
         await self.server.stop(0)
@@ -271,6 +302,8 @@ class DecodeService:
         self.engine.stop()
 
     def close_tcp(self) -> None:
+        if self.rank_streams is not None:
+            self.rank_streams.close()
         if self.tcp is not None:
             self.tcp.close()
 
@@ -282,7 +315,9 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
                          transport: str = "auto",
                          idle_timeout_s: float = 60.0,
                          handoff_port: int = 0,
-                         open_peer_pools: bool = True) -> DecodeService:
+                         open_peer_pools: bool = True,
+                         rank_streams: bool = False,
+                         band_token: str | None = None) -> DecodeService:
     """Engine thread (started), token streams and servicer on a bound server that demands
     ``security`` (docs/security.md). Call from the event loop that will serve it: the streams
     post engine events to that loop. Raises OSError when the port cannot be bound."""
@@ -295,15 +330,17 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
     tcp = (TcpHandoffListener(host, handoff_port, security.accepts,
                               pin_memory=llm.kv_pool.kv.device.type == "cuda")
            if takes_tcp_with(transport, security.tls) else None)
+    ranks = open_rank_streams(llm, tcp, host, band_token) if rank_streams and tcp else None
     streams = TokenStreams(asyncio.get_running_loop())
-    engine = DecodeEngine(llm, streams.post)
+    engine = DecodeEngine(llm, streams.post, ranks.receiver if ranks is not None else None)
     engine.start()
     add_decode_servicer(DecodeServicer(engine, streams, layout, fingerprint, address,
                                        max_handoff_bytes=max_handoff_bytes, shutdown=shutdown,
                                        transport=transport, idle_timeout_s=idle_timeout_s,
-                                       tcp=tcp, open_peer_pools=open_peer_pools),
+                                       tcp=tcp, open_peer_pools=open_peer_pools,
+                                       rank_streams=ranks),
                         server)
-    return DecodeService(server, health, engine, address, shutdown, tcp)
+    return DecodeService(server, health, engine, address, shutdown, tcp, ranks)
 
 
 async def _until_idle(messages, timeout_s: float,

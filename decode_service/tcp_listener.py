@@ -183,6 +183,13 @@ class TcpHandoffListener:
             self._offers[offer.ticket] = offer
         return offer
 
+    def register(self, offer) -> None:
+        """Frames of ``offer.ticket`` go to ``offer.post`` (called on reader threads, with a
+        :class:`TcpFrame` to ``release`` or a ``str`` saying why a connection broke): another
+        kind of offer than :meth:`offer`'s, such as a rank's band receiver."""
+        with self._lock:
+            self._offers[offer.ticket] = offer
+
     def forget(self, ticket: bytes) -> None:
         with self._lock:
             self._offers.pop(ticket, None)

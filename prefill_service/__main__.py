@@ -9,11 +9,15 @@ from common.cli_help import HelpFormatter, description
 from common.grpc_util import bind, make_server, serve_until_signal
 from common.metrics.server import bind_metrics, start_metrics
 from common.metrics.tls import metrics_ssl_context
-from common.parallel.worker_group import handoff_transport, shares_pools_at
+from common.parallel.worker_group import (handoff_transport, shares_pools_at,
+                                          takes_rank_streams)
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
 from common.security import Security
 from common.shutdown import GracefulShutdown
 from common.worker_args import add_worker_args, run_worker, worker_engine
+from prefill_service.follower_bands import PrefillFollowerBands
+from prefill_service.band_sender import BandSender
+from prefill_service.leader_bands import PrefillRankStreams
 from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
 from prefill_service.shared_pools import SharedPools
@@ -34,7 +38,9 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                                   metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca))
     transport = handoff_transport(args, "prefill")
     # with --tp the followers start here and leave once the engine thread has stopped
-    with worker_engine(args, prefill=True) as (group, built):
+    # each follower sends its own heads of a handoff (per-rank streams) with this
+    with worker_engine(args, prefill=True,
+                       follower_bands=PrefillFollowerBands) as (group, built):
         llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
         # before the engine thread starts: the pools move into memory decode workers can open
         shared = SharedPools(llm) if shares_pools_at(args, transport) else None
@@ -46,7 +52,8 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                                                       layout.gdn_layers))
         sender = HandoffSender(reader, security=security.internal_channel(),
                                transport=transport, shared=shared,
-                               tcp_connections=args.handoff_tcp_connections)
+                               tcp_connections=args.handoff_tcp_connections,
+                               rank_streams=_rank_streams(args, security, transport, group, llm))
         servicer = PrefillServicer(engine, sender, address, llm.model.config.vocab_size,
                                    llm.eos_token_ids)
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
@@ -66,6 +73,18 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                 group.mark_broken()  # the followers may be inside a collective: end them
             if metrics_server is not None:
                 metrics_server.stop()
+
+
+def _rank_streams(args, security: Security, transport: str, group,
+                  llm) -> PrefillRankStreams | None:
+    """Rank 0's side of per-rank handoff streams, when this worker offers them."""
+    if not takes_rank_streams(args, transport, security.tls):
+        return None
+    own = BandSender(llm.model.config, 0, llm.kv_pool.kv, llm.state_pool.conv,
+                     llm.state_pool.ssm)
+    return PrefillRankStreams(own, group.world_size, group.tp.store,
+                              required=args.tp_handoff == "ranks",
+                              token=security.internal_token)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ from common.handoff.layout import LayoutDescriptor
 from common.logprobs import TokenLogprobs
 from common.metrics.prefill_metrics import PrefillMetrics
 from common.parallel.prompt_state import PromptState
+from common.parallel.rank_streams import RankStreamPlan
 from common.request_spec import RequestSpec
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ class PrefillJob:
 
     handoff_id: int
     spec: RequestSpec
+    # per-rank streams: every rank sends its own heads to the decode ranks (the followers
+    # are told after each step); None: a tensor-parallel engine gathers them here
+    rank_streams: RankStreamPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -104,9 +108,14 @@ class PrefillEngine(EngineLoop):
     must only hand it on). The request keeps its pages and slot until ``release`` (after the
     decode side acknowledged, or on failure).
 
-    With tensor parallelism (the engine's runner has followers) each step's report carries
-    every rank's part of what it made final, gathered to this one (``gathered``): the KV pages
-    the chunk completed, and after the last chunk the GDN state too. The gather is a
+    A job with ``rank_streams`` goes over per-rank streams instead: after each step the
+    followers are told what it made final and send their own heads of it straight to the
+    decode ranks (``common/parallel/band_messages.py``), and the report carries nothing
+    gathered; this rank's sender sends its own part.
+
+    Otherwise, with tensor parallelism (the engine's runner has followers) each step's report
+    carries every rank's part of what it made final, gathered to this one (``gathered``): the
+    KV pages the chunk completed, and after the last chunk the GDN state too. The gather is a
     collective of the whole group, so it runs here on the engine thread between steps, and
     the KV of early chunks travels while later chunks compute."""
 
@@ -121,6 +130,10 @@ class PrefillEngine(EngineLoop):
         self._reported: dict[str, int] = {}  # pages already reported per request
         # a sink that raised while a forward was queued: the request ends after that step
         self._broken: dict[str, Exception] = {}
+        # requests on per-rank streams whose followers are not yet told that they ended: told
+        # once whatever the end (success included), each drops what it holds and deletes its
+        # report from the group's store (``prefill_service/follower_bands.py``)
+        self._banded: set[str] = set()
         # the tensor-parallel followers, whose parts of a request's state are gathered here
         self._followers = engine.runner.followers
         if self._followers is None:  # sharded pools cannot be read layer by layer
@@ -160,12 +173,15 @@ class PrefillEngine(EngineLoop):
         key = str(job.handoff_id)
         self.engine.add_request(list(job.spec.prompt_ids), job.spec.sampling, request_id=key)
         self._jobs[key] = (job, result, sink)
+        if self._followers is not None and job.rank_streams is not None:
+            self._banded.add(key)
         self._reported[key] = 0
         self._submitted[key] = submitted
 
     def _abort(self, key: str) -> bool:
         found = self.engine.abort(key)
         entry = self._finish(key)
+        self._drop_bands(key)  # the server aborts every request once its handoff is over
         if entry is not None:
             self.metrics.prompt_aborted()
             resolve(entry[1], error=PrefillAborted(f"handoff {key} was aborted"))
@@ -232,8 +248,13 @@ class PrefillEngine(EngineLoop):
                 continue  # this chunk completed no page (or its forward reported them)
             since, self._reported[key] = self._reported[key], pages
             # a failure here leaves the group out of step: it ends the engine, not the request
-            gathered = (None if self._followers is None
-                        else self._gather(req, since, pages, final=first is not None))
+            gathered = None
+            if self._followers is not None and job.rank_streams is not None:
+                self._followers.send_bands(job.handoff_id, job.rank_streams,
+                                           req.page_ids[since:pages], since,
+                                           req.slot if first is not None else None)
+            elif self._followers is not None:
+                gathered = self._gather(req, since, pages, final=first is not None)
             try:
                 if key in self._broken:
                     raise self._broken.pop(key)
@@ -244,6 +265,7 @@ class PrefillEngine(EngineLoop):
             except Exception as exc:  # the sink's owner is gone: end this request only
                 log.exception("handoff %s: reporting progress failed", key)
                 self._finish(key)
+                self._drop_bands(key)
                 resolve(result, error=RuntimeError(f"reporting prefill progress failed: {exc}"))
                 self.engine.release(key)
                 continue
@@ -260,6 +282,13 @@ class PrefillEngine(EngineLoop):
         return self._followers.gather_state(e.model, e.kv_pool, e.state_pool,
                                             req.page_ids[since:pages],
                                             req.slot if final else None)
+
+    def _drop_bands(self, key: str) -> None:
+        """A request on per-rank streams ended (its handoff acknowledged, failed or never to
+        finish): the followers stop sending its bands and forget it, once."""
+        if key in self._banded:
+            self._banded.discard(key)
+            self._followers.drop_bands(int(key))
 
     def _finish(self, key: str) -> tuple[PrefillJob, Future, ReadySink] | None:
         """Stop tracking a request; its entry, if it was tracked."""
@@ -279,6 +308,7 @@ class PrefillEngine(EngineLoop):
         for _, result, _ in self._jobs.values():
             resolve(result, error=RuntimeError(f"prefill engine failed: {exc}"))
         self._jobs.clear()
+        self._banded.clear()
         self._reported.clear()
         self._broken.clear()
         self._submitted.clear()

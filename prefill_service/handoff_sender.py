@@ -31,7 +31,10 @@ from common.handoff.ledger import fold_checksums, new_ledgers
 from common.handoff.parts import HeaderPart, PoolCopyPart, TrailerPart
 from common.logprobs import TokenLogprobs
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc
+from common.parallel.rank_streams import RankStreamPlan
 from prefill_service.engine import StateReady
+from prefill_service.leader_bands import (LeaderBands, PrefillRankStreams, RankStreamsRefused,
+                                          take_plan, unbanded)
 from prefill_service.message_feed import feed_from_thread
 from prefill_service.shared_pools import SharedPools
 from prefill_service.state_reader import PromptShape, StateReader
@@ -105,8 +108,8 @@ class HandoffStream:
 
     def __init__(self, call, header: HeaderPart, reader: StateReader,
                  executor: ThreadPoolExecutor, *, address: str = "", transport: str = "stream",
-                 tcp: TcpConnections | None = None, tcp_connections: int | None = None
-                 ) -> None:
+                 tcp: TcpConnections | None = None, tcp_connections: int | None = None,
+                 rank_streams: PrefillRankStreams | None = None) -> None:
         self._call = call
         self.header = header
         self._reader = reader
@@ -125,11 +128,20 @@ class HandoffStream:
         self._stopped = threading.Event()  # tells a sending thread to stop at its next chunk
         self.tcp_chunks = 0
         self.bytes_sent = 0
+        self._rank = rank_streams
+        # per-rank streams, when the receiver took them (set by open): every rank sends its
+        # own heads of kv, conv_state and ssm_state; this call carries the rest
+        self._bands: LeaderBands | None = None
 
     @property
     def tcp_connection_count(self) -> int:
         """Connections this handoff's chunks are spread over (0: not over TCP)."""
         return len(self._connections)
+
+    @property
+    def rank_plan(self) -> RankStreamPlan | None:
+        """The per-rank streams' plan, when this handoff takes them (known once opened)."""
+        return self._bands.plan if self._bands is not None else None
 
     @property
     def over_tcp(self) -> bool:
@@ -158,6 +170,15 @@ class HandoffStream:
             self._call.cancel()
             raise HandoffTransportError(f"the decode worker takes no chunks over TCP: {why}; "
                                         "use --handoff-transport auto or stream")
+        if self._rank is not None:  # per-rank streams, where the receiver listed its ranks
+            try:
+                plan = take_plan(self._rank, accepted, self._address, self.header)
+            except RankStreamsRefused as exc:
+                self._call.cancel()
+                raise HandoffTransportError(str(exc)) from None
+            if plan is not None:
+                self._bands = LeaderBands(self._rank, plan, self.header.handoff_id,
+                                          self._executor)
 
     async def _connect(self, port: int, ticket: bytes) -> str:
         """Take connections to the receiver's listener; says why not when none can be made."""
@@ -209,7 +230,7 @@ class HandoffStream:
                 await self._call.write(message)
             return
         ranges = []  # (field, first page, end page) newly final
-        fields = [("kv", ready.num_pages)]
+        fields = [] if self._bands is not None else [("kv", ready.num_pages)]
         if "dflash_context" in self.header.manifest:
             fields.append(("dflash_context", ready.final_draft_pages))
         for name, end in fields:
@@ -219,6 +240,11 @@ class HandoffStream:
                 self._sent[name] = end
         states = ready.final_states and not self._states_sent
         self._states_sent = self._states_sent or states
+        if self._bands is not None:
+            self._bands.queue(ready)
+            states = False  # the GDN state is banded too: nothing of it goes on this call
+            if not ranges:
+                return
 
         if self._connections:
             # frames straight out of the pinned host buffers: no encoding copy
@@ -276,10 +302,19 @@ class HandoffStream:
                      first_logprobs: TokenLogprobs | None = None) -> decode_pb2.HandoffAck:
         """Write the trailer, close, and wait for decode's ``ack`` (the request is admitted)."""
         # every field went as pool copies, or as bytes with a checksum
-        checksums = {} if self.pool_copies else fold_checksums(self.header.manifest,
-                                                               self._ledgers)
+        manifest = self.header.manifest
+        if self._bands is not None:  # these went as bands, checksummed by their senders
+            manifest = unbanded(manifest)
+        checksums = {} if self.pool_copies else fold_checksums(manifest, self._ledgers)
+        rank_chunks: tuple[int, ...] = ()
+        if self._bands is not None:
+            sent = await self._bands.collect()
+            checksums.update(sent.checksums)
+            rank_chunks = sent.frames
+            self.bytes_sent += sent.nbytes
         trailer = TrailerPart(checksums=checksums, first_token=first_token,
-                              first_logprobs=first_logprobs, tcp_chunks=self.tcp_chunks)
+                              first_logprobs=first_logprobs, tcp_chunks=self.tcp_chunks,
+                              rank_chunks=rank_chunks)
         connections, self._connections = self._connections, []
         for connection in connections:  # every chunk is written: the next handoff may use them
             self._tcp.release(connection)
@@ -297,6 +332,8 @@ class HandoffStream:
 
     def cancel(self) -> None:
         self._drop_connections()  # a no-op after finish, which gave it back
+        if self._bands is not None:
+            self._bands.drop()
         self._call.cancel()
 
 
@@ -306,8 +343,8 @@ class HandoffSender:
 
     def __init__(self, reader: StateReader, *, timeout_s: float = 120.0,
                  security: ChannelSecurity = ChannelSecurity(), transport: str = "stream",
-                 shared: SharedPools | None = None, tcp_connections: int | None = None
-                 ) -> None:
+                 shared: SharedPools | None = None, tcp_connections: int | None = None,
+                 rank_streams: PrefillRankStreams | None = None) -> None:
         if tcp_connections is not None and tcp_connections < 1:
             raise ValueError(f"--handoff-tcp-connections must be >= 1, got {tcp_connections}")
         if transport == "device" and shared is None:
@@ -318,6 +355,7 @@ class HandoffSender:
         self.security = security
         self.timeout_s = timeout_s
         self.tcp_connections = tcp_connections
+        self.rank_streams = rank_streams  # None: handoffs never take per-rank streams
         self._channels: dict[str, grpc.aio.Channel] = {}
         # chunks over TCP carry the same token as the calls; never beside a TLS channel
         self.tcp = (TcpConnections(dict(security.metadata).get(TOKEN_HEADER))
@@ -338,9 +376,12 @@ class HandoffSender:
                                         response_deserializer=decode_pb2.HandoffReply.FromString)
         if self.shared is not None:  # offer our pools: a receiver on this host copies them
             header = dataclasses.replace(header, source_pools=self.shared.handles_for(address))
+        if self.rank_streams is not None:  # offer each rank's heads on streams of their own
+            header = dataclasses.replace(header, rank_streams=self.rank_streams.tp_size)
         return HandoffStream(handoff(timeout=self.timeout_s), header, self.reader,
                              self._executor, address=address, transport=self.transport,
-                             tcp=self.tcp, tcp_connections=self.tcp_connections)
+                             tcp=self.tcp, tcp_connections=self.tcp_connections,
+                             rank_streams=self.rank_streams)
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -350,5 +391,7 @@ class HandoffSender:
             self.tcp.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.reader.close()
+        if self.rank_streams is not None:
+            self.rank_streams.sender.close()
         if self.shared is not None:
             self.shared.close()

@@ -7,6 +7,7 @@ byte stream in ``prefill_service/handoff_sender.py``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -73,6 +74,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await context.abort(exc.code(), f"handoff to {decode_address} failed: "
                                                 f"{exc.details()}")
             opened = time.perf_counter()
+            if handoff.rank_plan is not None:  # the followers send their heads themselves
+                job = dataclasses.replace(job, rank_streams=handoff.rank_plan)
             loop = asyncio.get_running_loop()
             ready_parts: asyncio.Queue = asyncio.Queue()
             submitted = asyncio.wrap_future(self.engine.submit(
@@ -107,10 +110,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await self._handoff_failed(exc, decode_address, context)
             handoff_s = time.perf_counter() - prefilled
             self.metrics.handoff_sent(handoff.bytes_sent, handoff_s, handoff.pool_copies,
-                                      handoff.over_tcp)
+                                      handoff.over_tcp, handoff.rank_plan is not None)
             log.info("handoff %016x to %s: %d prompt tokens, %d bytes, acknowledged %.3f s "
-                     "after the first token", job.handoff_id, decode_address,
-                     job.spec.prompt_len, handoff.bytes_sent, handoff_s)
+                     "after the first token, %s", job.handoff_id, decode_address,
+                     job.spec.prompt_len, handoff.bytes_sent, handoff_s, _path(handoff))
             return _with_logprobs(prefill_pb2.PrefillResponse(
                 handoff_id=job.handoff_id, first_token=first.token_id,
                 prompt_len=job.spec.prompt_len,
@@ -199,3 +202,11 @@ def _with_logprobs(response: prefill_pb2.PrefillResponse,
     if first.logprobs is not None:
         response.first_token_logprobs.CopyFrom(convert.logprobs_to_pb(first.logprobs))
     return response
+
+
+def _path(handoff) -> str:
+    """Which way a handoff's state went, for its log line."""
+    plan = handoff.rank_plan
+    if plan is not None:
+        return f"over per-rank streams ({plan.src_tp} -> {plan.dst_tp} ranks)"
+    return "through this worker's rank 0"

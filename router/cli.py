@@ -36,7 +36,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 # Worker flags that `flashsplit up` passes through unchanged (--device is spread over workers).
 _WORKER_FLAGS = ("--dtype", "--page-size", "--num-pages", "--num-slots", "--max-prefill-tokens",
                  "--max-running-requests", "--draft", "--block-size", "--kernels",
-                 "--cuda-graph-max-bs", "--handoff-transport")
+                 "--cuda-graph-max-bs", "--handoff-transport", "--tp-handoff")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,9 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default=None,
                     help="device of every worker, or a comma-separated list given to the "
                          "workers in order, prefill first (e.g. cuda:0,cuda:1)")
-    worker_help = _worker_flag_help()
+    worker_help, worker_choices = _worker_flag_help(), _worker_flag_choices()
     for flag in _WORKER_FLAGS:
-        up.add_argument(flag, default=None, help=f"every worker's: {worker_help[flag]}")
+        # the worker's own choices: a wrong value fails here, before any process starts
+        up.add_argument(flag, default=None, choices=worker_choices.get(flag),
+                        help=f"every worker's: {worker_help[flag]}")
     up.add_argument("--mem-fraction", type=float, default=None, metavar="F",
                     help="size every worker's pools by memory: the workers that share a device "
                          "split F of its total memory evenly (one prefill and one decode "
@@ -154,6 +156,13 @@ def _worker_flag_help() -> dict[str, str]:
     formatter = worker._get_formatter()
     return {flag: formatter._expand_help(action).replace("%", "%%")
             for action in worker._actions for flag in action.option_strings}
+
+
+def _worker_flag_choices() -> dict[str, tuple[str, ...]]:
+    """The worker flags of ``_WORKER_FLAGS`` that take one of a fixed set of values."""
+    from common.parallel.worker_group import TP_HANDOFF_PATHS
+
+    return {"--tp-handoff": TP_HANDOFF_PATHS}
 
 
 def run_local(args: argparse.Namespace, prompts: list[list[int]],

@@ -16,6 +16,7 @@ HANDOFF_ERROR_CODES = {
     "ALREADY_EXISTS": "a request with this handoff id is already decoding on the receiver",
     "ABORTED": "the request was aborted before or while its handoff arrived",
     "DEADLINE_EXCEEDED": "the sender sent nothing for the receiver's idle timeout",
+    "INTERNAL": "the receiver failed while landing bytes (a bug): this handoff only",
 }
 
 

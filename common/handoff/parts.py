@@ -30,6 +30,9 @@ class HeaderPart:
     manifest: dict[str, FieldSpec] = field(default_factory=dict)
     # the sender's pools as share handles (msgpack), offered for the device transport
     source_pools: bytes = b""
+    # the sender's tensor-parallel size when its ranks can each send their own heads on
+    # per-rank streams (docs/protocol.md); 0: everything goes through this call's sender
+    rank_streams: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -73,6 +76,8 @@ class TrailerPart:
     first_logprobs: TokenLogprobs | None = None
     # chunks sent on the handoff's TCP connection instead of the stream (the ``tcp`` transport)
     tcp_chunks: int = 0
+    # per-rank streams: the band frames sent to each decode rank (index = decode rank)
+    rank_chunks: tuple[int, ...] = ()
 
 
 HandoffPart = Union[HeaderPart, ChunkPart, PoolCopyPart, TrailerPart]

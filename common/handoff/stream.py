@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from common.handoff.bands import BANDED_FIELDS
 from common.handoff.checksum import crc32c
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor
@@ -93,6 +94,7 @@ class HandoffAssembler:
         self._reservation: Reservation | None = None
         self._ledgers: dict[tuple[str, int], LayerLedger] = {}
         self._copies: PoolCopyLedger | None = None
+        self._bands: set[str] | None = None  # per-rank streams' band names
         self.bytes_received = 0
         self.first_token: int | None = None  # from the verified trailer
         self.first_logprobs: TokenLogprobs | None = None  # likewise, when the request asks
@@ -152,11 +154,14 @@ class HandoffAssembler:
             self._fail(err)
 
     def start(self, header: HeaderPart, reservation: Reservation, *,
-              pool_copies: bool = False) -> None:
+              pool_copies: bool = False, bands: set[str] | None = None) -> None:
         """Take the room reserved for a checked header; chunks may follow (and, with
-        ``pool_copies``, the reservation opened the sender's pools: ``PoolCopyPart``s too). If
-        the handoff was closed meanwhile, the reservation is released at once (and ABORTED
-        raised)."""
+        ``pool_copies``, the reservation opened the sender's pools: ``PoolCopyPart``s too).
+        ``bands``: the state's fields (``kv``, ``conv_state``, ``ssm_state``) come on per-rank
+        streams as these bands instead (``common/handoff/bands.py``): no chunk of them may
+        come here, and the trailer must carry a checksum of each band, which the caller
+        checks against what the ranks landed. If the handoff was closed meanwhile, the
+        reservation is released at once (and ABORTED raised)."""
         if self._state != "header":
             reservation.release()
             self._expect("header", "a reservation")
@@ -164,6 +169,7 @@ class HandoffAssembler:
         self._header = header
         self._copies = (PoolCopyLedger(header.layout.num_pages(header.prompt_len))
                         if pool_copies else None)
+        self._bands = set(bands) if bands is not None else None
         self._state = "chunks"
 
     def on_pool_copy(self, part: PoolCopyPart) -> None:
@@ -250,11 +256,12 @@ class HandoffAssembler:
             except ValueError as exc:
                 raise HandoffError("INVALID_ARGUMENT", f"trailer: {exc}") from None
             copied = self._copies.fields if self._copies is not None else set()
-            streamed = set(manifest) - copied
-            if set(trailer.checksums) != streamed:
+            banded = set(BANDED_FIELDS) if self._bands is not None else set()
+            streamed = set(manifest) - copied - banded
+            if set(trailer.checksums) != streamed | (self._bands or set()):
                 raise HandoffError("INVALID_ARGUMENT", f"trailer has checksums for "
                                    f"{sorted(trailer.checksums)}, the fields sent as bytes are "
-                                   f"{sorted(streamed)}")
+                                   f"{sorted(streamed | (self._bands or set()))}")
             for name in copied:
                 self._copies.check_complete(name)
             received = fold_checksums({n: spec for n, spec in manifest.items() if n in streamed},
@@ -326,6 +333,9 @@ class HandoffAssembler:
         where = f"chunk of field {chunk.field!r} layer {chunk.layer}"
         if self._copies is not None and chunk.field in self._copies.fields:
             raise HandoffError("INVALID_ARGUMENT", f"{where}: the field arrives as pool copies")
+        if self._bands is not None and chunk.field in BANDED_FIELDS:
+            raise HandoffError("INVALID_ARGUMENT", f"{where}: the field arrives on per-rank "
+                               "streams")
         if spec is None:
             raise HandoffError("INVALID_ARGUMENT", f"{where}: field not declared in the manifest")
         if not 0 <= chunk.layer < spec.num_layers:

@@ -49,6 +49,10 @@ class PrefillMetrics:
             f"{PREFIX}_handoff_tcp",
             "Handoffs whose chunks went on a TCP connection beside the stream (the tcp "
             "transport).", registry=r)
+        self.handoff_rank_streams = Counter(
+            f"{PREFIX}_handoff_rank_streams",
+            "Handoffs whose state went over per-rank streams, each rank sending its own heads "
+            "(tensor parallelism).", registry=r)
         self.handoff_time = Histogram(
             f"{PREFIX}_handoff_time_seconds",
             "From a prompt's first token to the decode worker's acknowledgement: the part of "
@@ -82,7 +86,7 @@ class PrefillMetrics:
         self.requests.labels(status=status).inc()
 
     def handoff_sent(self, num_bytes: int, seconds: float, pool_copies: bool,
-                     over_tcp: bool = False) -> None:
+                     over_tcp: bool = False, rank_streams: bool = False) -> None:
         self.handoffs.labels(result="sent").inc()
         self.handoff_bytes.observe(num_bytes)
         self.handoff_time.observe(seconds)
@@ -90,6 +94,8 @@ class PrefillMetrics:
             self.handoff_pool_copies.inc()
         if over_tcp:
             self.handoff_tcp.inc()
+        if rank_streams:
+            self.handoff_rank_streams.inc()
 
     def handoff_failed(self) -> None:
         self.handoffs.labels(result="failed").inc()
@@ -109,4 +115,6 @@ class PrefillMetrics:
             "handoffs_as_pool_copies": sample_total(self.handoff_pool_copies,
                                                     f"{PREFIX}_handoff_pool_copies_total"),
             "handoffs_over_tcp": sample_total(self.handoff_tcp, f"{PREFIX}_handoff_tcp_total"),
+            "handoffs_over_rank_streams": sample_total(
+                self.handoff_rank_streams, f"{PREFIX}_handoff_rank_streams_total"),
         }

@@ -14,6 +14,11 @@ their shard of the model and of the pools, and do what rank 0 broadcasts, in ord
   pages and GDN slot to rank 0, or take its part of a full state from rank 0
   (``common/parallel/prompt_state.py``): a handoff carries the full model's state, and only
   rank 0 speaks to the other worker;
+- the per-rank handoff streams' messages (``common/parallel/band_messages.py``): send this
+  rank's heads of a request's state straight to the decode ranks, or land them straight into
+  this rank's pools, instead of a gather or a scatter through rank 0. A follower runs them
+  with the handler its worker gave the group (the sender or receiver is the service's), and
+  refuses them without one;
 - :class:`Stop`: leave the loop.
 
 Tokens are decided once, on rank 0: a follower never samples, because the next forward's token
@@ -31,7 +36,8 @@ import torch
 from common.cache.pools import CacheConfig, make_pools
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.engine.errors import GroupOutOfStep
-from common.parallel import prompt_state
+from common.parallel import band_messages, prompt_state
+from common.parallel.band_messages import BAND_MESSAGES, BandHandlerFactory
 from common.parallel.group import TensorParallelGroup
 from common.parallel.prompt_state import PromptState
 
@@ -103,6 +109,41 @@ class FollowerLink:
     def stop(self) -> None:
         self.tp.broadcast_object(Stop())
 
+    def send_bands(self, handoff_id: int, plan, page_ids, start: int,
+                   slot: int | None) -> None:
+        """Every follower sends its bands of pages ``page_ids`` (the prompt's from ``start``)
+        and, with ``slot``, of the GDN state, straight to the decode ranks (``plan``); after
+        the one with ``slot`` each reports what it sent (``band_messages.sent_key``)."""
+        self.tp.broadcast_object(band_messages.SendBands(
+            handoff_id, plan, [int(p) for p in page_ids], start, slot))
+
+    def drop_bands(self, handoff_id: int) -> None:
+        self.tp.broadcast_object(band_messages.DropBands(handoff_id))
+
+    def open_band_listeners(self, host: str, token: str | None,
+                            timeout_s: float = 60.0) -> list[int]:
+        """Every follower opens a handoff listener of its own on ``host``; their ports, by
+        rank (rank 0's entry is 0: its own listener is the worker's)."""
+        self.tp.broadcast_object(band_messages.OpenBandListener(host, token))
+        keys = [band_messages.port_key(r) for r in range(1, self.tp.world_size)]
+        band_messages.wait_for(self.tp.store, keys, timeout_s)
+        return [0] + [int(self.tp.store.get(key)) for key in keys]
+
+    def expect_bands(self, ticket: bytes, page_ids, slot: int, prompt_len: int,
+                     page_size: int, src_tp: int) -> None:
+        """Every follower takes ``ticket``'s frames into ``page_ids`` and ``slot`` from now on
+        (each says so under ``band_messages.ready_key``)."""
+        self.tp.broadcast_object(band_messages.ExpectBands(
+            ticket, [int(p) for p in page_ids], slot, prompt_len, page_size, src_tp))
+
+    def complete_bands(self, ticket: bytes, frames: tuple[int, ...],
+                       idle_timeout_s: float) -> None:
+        self.tp.broadcast_object(band_messages.CompleteBands(ticket, tuple(frames),
+                                                              idle_timeout_s))
+
+    def forget_bands(self, ticket: bytes) -> None:
+        self.tp.broadcast_object(band_messages.ForgetBands(ticket))
+
     def gather_state(self, model, kv_pool, state_pool, page_ids,
                      slot: int | None) -> PromptState:
         """The full model's state of one request's ``page_ids`` and GDN ``slot`` (None: the
@@ -136,9 +177,12 @@ class FollowerLink:
 
 
 class Follower:
-    """A follower rank's shard of the model and pools, and the loop that runs rank 0's orders."""
+    """A follower rank's shard of the model and pools, and the loop that runs rank 0's orders.
+    ``bands``: makes the handler of per-rank stream messages (the worker's; None: this
+    follower takes none, and one is a TypeError)."""
 
-    def __init__(self, tp: TensorParallelGroup, device: str) -> None:
+    def __init__(self, tp: TensorParallelGroup, device: str,
+                 bands: BandHandlerFactory | None = None) -> None:
         if tp.is_leader:
             raise ValueError("rank 0 drives; it does not follow")
         self.tp = tp
@@ -146,12 +190,15 @@ class Follower:
         self.model = None
         self.kv_pool = self.state_pool = None
         self.last_batch: ForwardBatch | None = None  # what a CommitVerified refers to
+        self.bands = bands(tp, self) if bands is not None else None
 
     def run(self) -> None:
         """Handle messages until :class:`Stop`."""
         while True:
             message = self.tp.broadcast_object()
             if isinstance(message, Stop):
+                if self.bands is not None:
+                    self.bands.close()
                 return
             if isinstance(message, LoadModel):
                 self.load(message.settings)
@@ -163,6 +210,11 @@ class Follower:
                 self.gather_state(message)
             elif isinstance(message, ScatterState):
                 self.scatter_state(message)
+            elif isinstance(message, BAND_MESSAGES):
+                if self.bands is None:  # rank 0 offered per-rank streams its worker never set up
+                    raise TypeError(f"{type(message).__name__}: this follower was started "
+                                    "without a band handler")
+                self.bands.handle(message)
             else:
                 raise TypeError(f"unknown message {type(message).__name__}")
 

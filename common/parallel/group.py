@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,12 +35,16 @@ class TensorParallelGroup:
             gloo on the CPU); None at world size 1.
         cpu_group: a gloo group for host-side messages (the step broadcast); the same object
             as ``device_group`` on the CPU; None at world size 1.
+        store: the group's rendezvous store, which stays up while the group does: per-rank
+            handoff streams report through it from any thread, out of step with the
+            collectives (``common/parallel/band_messages.py``); None at world size 1.
     """
 
     rank: int = 0
     world_size: int = 1
     device_group: object | None = None
     cpu_group: object | None = None
+    store: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -133,4 +137,4 @@ def connect(rank: int, world_size: int, *, store: dist.Store | None = None,
         options.global_ranks_in_group = list(range(world_size))
         device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size,
                                              options)
-    return TensorParallelGroup(rank, world_size, device_group, cpu_group)
+    return TensorParallelGroup(rank, world_size, device_group, cpu_group, store)

@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import time
 
+from common.parallel.band_messages import BandHandlerFactory
 from common.parallel.followers import Follower, FollowerLink
 from common.parallel.group import (DEFAULT_TIMEOUT_S, TensorParallelGroup, connect,
                                    leader_store)
@@ -47,7 +48,8 @@ def cpu_threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _follow(rank: int, world_size: int, port: int, device: str, timeout_s: float) -> None:
+def _follow(rank: int, world_size: int, port: int, device: str, timeout_s: float,
+            bands: BandHandlerFactory | None = None) -> None:
     """A follower process's body."""
     import torch
 
@@ -59,7 +61,7 @@ def _follow(rank: int, world_size: int, port: int, device: str, timeout_s: float
         torch.set_num_threads(cpu_threads_per_rank(world_size))
     tp = connect(rank, world_size, port=port, device=device, timeout_s=timeout_s,
                  on_store=lambda store: store.set(f"{STARTED_KEY}{rank}", "1"))
-    Follower(tp, device).run()
+    Follower(tp, device, bands).run()
 
 
 class LocalGroup:
@@ -72,15 +74,20 @@ class LocalGroup:
         world_size: ranks, this process included.
         device: as :func:`rank_devices` takes it; this process gets the first.
         timeout_s: how long any collective (and the rendezvous) may wait for a rank.
+        follower_bands: what each follower runs per-rank handoff stream messages with (a
+            top-level class or function: it is pickled into the spawned processes); None:
+            the followers take none.
     """
 
     def __init__(self, world_size: int, device: str = "cpu", *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
+                 follower_bands: BandHandlerFactory | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"a group needs at least one rank, got {world_size}")
         self.world_size = world_size
         self.devices = rank_devices(device, world_size)
         self.timeout_s = timeout_s
+        self.follower_bands = follower_bands
         self.processes: list[multiprocessing.Process] = []
         self.tp: TensorParallelGroup | None = None
         self.broken = False  # set by mark_broken
@@ -101,7 +108,8 @@ class LocalGroup:
         for rank in range(1, self.world_size):
             process = context.Process(
                 target=_follow, name=f"flashsplit-tp-rank{rank}", daemon=True,
-                args=(rank, self.world_size, store.port, self.devices[rank], self.timeout_s))
+                args=(rank, self.world_size, store.port, self.devices[rank], self.timeout_s,
+                      self.follower_bands))
             process.start()
             self.processes.append(process)
         try:

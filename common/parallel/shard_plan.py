@@ -86,6 +86,14 @@ def _scaled(r: range, unit: int, offset: int = 0) -> tuple[int, int]:
     return offset + r.start * unit, offset + r.stop * unit
 
 
+def gdn_conv_channels(config: ModelConfig, gdn: HeadShard) -> Ranges:
+    """The GDN conv channels (rows of ``in_proj_qkv``) of the heads ``gdn``: its key heads'
+    q, its key heads' k, its value heads' v, in that order."""
+    dk, dv, key_dim = config.linear_key_head_dim, config.linear_value_head_dim, config.key_dim
+    return (_scaled(gdn.groups, dk), _scaled(gdn.groups, dk, key_dim),
+            _scaled(gdn.heads, dv, 2 * key_dim))
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """What rank ``rank`` of ``world_size`` holds of a model (see the module docstring).
@@ -170,10 +178,7 @@ class ShardPlan:
     def gdn_conv_ranges(self) -> Ranges:
         """This rank's channels of the GDN conv (and of ``in_proj_qkv``'s rows): its key
         heads' q, its key heads' k, its value heads' v."""
-        c = self.config
-        dk, dv, key_dim = c.linear_key_head_dim, c.linear_value_head_dim, c.key_dim
-        return (_scaled(self.gdn.groups, dk), _scaled(self.gdn.groups, dk, key_dim),
-                _scaled(self.gdn.heads, dv, 2 * key_dim))
+        return gdn_conv_channels(self.config, self.gdn)
 
     def ranges_of(self, param: str) -> tuple[int, Ranges] | None:
         """``(dim, ranges)``: the parts of full parameter ``param`` this rank holds, along

@@ -19,9 +19,12 @@ import dataclasses
 import logging
 
 from common.engine.factory import EngineSettings
+from common.parallel.band_messages import BandHandlerFactory
 from common.parallel.launch import LocalGroup
 
 log = logging.getLogger(__name__)
+
+TP_HANDOFF_PATHS = ("auto", "ranks", "leader")
 
 
 def add_tp_arg(p: argparse.ArgumentParser) -> None:
@@ -29,6 +32,14 @@ def add_tp_arg(p: argparse.ArgumentParser) -> None:
                    help="shard the model over N processes on this host (tensor parallelism): "
                         "this process is rank 0 and serves; it starts the other N-1 "
                         "(docs/tensor_parallel.md). On the CPU they share the host's cores")
+    p.add_argument("--tp-handoff", choices=TP_HANDOFF_PATHS, default="auto",
+                   help="how a handoff's state moves when either end is sharded: 'ranks' (each "
+                        "rank sends or lands its own heads on a TCP stream of its own; a "
+                        "handoff the other end cannot take so fails), 'leader' (everything "
+                        "gathered to, or scattered from, rank 0), 'auto' (ranks where both "
+                        "ends can, else leader). Per-rank streams need TCP: not with TLS nor "
+                        "--handoff-transport stream (docs/tensor_parallel.md) (default: "
+                        "%(default)s)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tp: place a MoE model's routed experts whole on the ranks "
                         "(default: each expert's matrices split over them)")
@@ -51,10 +62,12 @@ def check_tp_args(args: argparse.Namespace) -> None:
                        expert_parallel=args.expert_parallel)
 
 
-def worker_group(args: argparse.Namespace) -> LocalGroup:
+def worker_group(args: argparse.Namespace,
+                 follower_bands: BandHandlerFactory | None = None) -> LocalGroup:
     """``with worker_group(args) as tp:`` this process as rank 0 of ``args.tp`` ranks, the
-    followers started (a group of one at ``--tp 1``: nothing starts)."""
-    return LocalGroup(args.tp, args.device)
+    followers started (a group of one at ``--tp 1``: nothing starts). ``follower_bands``: the
+    worker's handler of per-rank stream messages, made on each follower."""
+    return LocalGroup(args.tp, args.device, follower_bands=follower_bands)
 
 
 def settings_for_group(settings: EngineSettings, group: LocalGroup) -> EngineSettings:
@@ -94,3 +107,19 @@ def shares_pools_at(args: argparse.Namespace, transport: str) -> bool:
     from common.handoff.transports import shares_pools
 
     return args.tp == 1 and shares_pools(transport)
+
+
+def takes_rank_streams(args: argparse.Namespace, transport: str, tls: object | None) -> bool:
+    """Whether this worker offers (prefill) or takes (decode) per-rank handoff streams: not
+    ``--tp-handoff leader``, and its chunks may go over TCP. ``--tp-handoff ranks`` where they
+    may not is a caller mistake (ValueError)."""
+    from common.handoff.transports import takes_tcp_with
+
+    if args.tp_handoff == "leader":
+        return False
+    if not takes_tcp_with(transport, tls):
+        if args.tp_handoff == "ranks":
+            raise ValueError("--tp-handoff ranks sends each rank's state over TCP: it needs "
+                             "--handoff-transport auto or tcp, and no TLS")
+        return False
+    return True

@@ -116,3 +116,32 @@ def test_a_follower_runs_until_stop():
                                               RunForward(args), Stop()])), "cpu")
     follower.run()
     assert follower.model is not None and follower.state_pool.ssm[:, 1].abs().sum() > 0
+
+
+class RecordingBands:
+    """A worker's band handler that keeps what it was given."""
+
+    def __init__(self, tp, follower) -> None:
+        self.tp, self.follower = tp, follower
+        self.handled: list = []
+        self.closed = False
+
+    def handle(self, message) -> None:
+        self.handled.append(message)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_band_messages_go_to_the_workers_handler_and_without_one_are_refused():
+    from common.parallel.band_messages import DropBands
+
+    drop = DropBands(7)
+    follower = Follower(group(1, LonelyGroup([drop, Stop()])), "cpu", RecordingBands)
+    follower.run()
+    bands = follower.bands
+    assert bands.follower is follower and bands.tp is follower.tp
+    assert bands.handled == [drop] and bands.closed
+    bare = Follower(group(1, LonelyGroup([drop])), "cpu")
+    with pytest.raises(TypeError, match="DropBands: this follower was started without a band"):
+        bare.run()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import types_pb2 as flashsplit_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lashsplit/v1/decode.proto\x12\rflashsplit.v1\x1a\x19\x66lashsplit/v1/types.proto\"\xb9\x02\n\x10LayoutDescriptor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x1d\n\x15\x66ull_attention_layers\x18\x03 \x03(\r\x12\x12\n\ngdn_layers\x18\x04 \x03(\r\x12\x10\n\x08kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x10\n\x08\x63onv_dim\x18\x07 \x01(\r\x12\x13\n\x0b\x63onv_window\x18\x08 \x01(\r\x12\x15\n\rnum_key_heads\x18\t \x01(\r\x12\x17\n\x0fnum_value_heads\x18\n \x01(\r\x12\x14\n\x0ckey_head_dim\x18\x0b \x01(\r\x12\x16\n\x0evalue_head_dim\x18\x0c \x01(\r\x12\x14\n\x0cstate_layout\x18\r \x01(\t\x12\x11\n\tssm_dtype\x18\x0e \x01(\t\"\x9d\x02\n\rHandoffHeader\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12/\n\x06layout\x18\x03 \x01(\x0b\x32\x1f.flashsplit.v1.LayoutDescriptor\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12/\n\x08sampling\x18\x07 \x01(\x0b\x32\x1d.flashsplit.v1.SamplingParams\x12\x10\n\x08manifest\x18\x08 \x01(\x0c\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x14\n\x0csource_pools\x18\n \x01(\x0cJ\x04\x08\x05\x10\x06R\x0b\x66irst_token\"?\n\x08PoolCopy\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x11\n\tsrc_index\x18\x02 \x03(\r\x12\x11\n\tdst_start\x18\x03 \x01(\r\"I\n\x0bTensorChunk\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x81\x02\n\x0eHandoffTrailer\x12\x39\n\x06\x63rc32c\x18\x03 \x03(\x0b\x32).flashsplit.v1.HandoffTrailer.Crc32cEntry\x12\x18\n\x0b\x66irst_token\x18\x02 \x01(\rH\x00\x88\x01\x01\x12:\n\x14\x66irst_token_logprobs\x18\x04 \x01(\x0b\x32\x1c.flashsplit.v1.TokenLogprobs\x12\x12\n\ntcp_chunks\x18\x05 \x01(\r\x1a-\n\x0b\x43rc32cEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x42\x0e\n\x0c_first_tokenJ\x04\x08\x01\x10\x02R\x05\x63rc32\"\xd5\x01\n\x0eHandoffMessage\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.flashsplit.v1.HandoffHeaderH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.flashsplit.v1.TensorChunkH\x00\x12\x30\n\x07trailer\x18\x03 \x01(\x0b\x32\x1d.flashsplit.v1.HandoffTrailerH\x00\x12,\n\tpool_copy\x18\x04 \x01(\x0b\x32\x17.flashsplit.v1.PoolCopyH\x00\x42\x06\n\x04part\"8\n\nHandoffAck\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"`\n\x0fHandoffAccepted\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x13\n\x0bpool_copies\x18\x02 \x01(\x08\x12\x10\n\x08tcp_port\x18\x03 \x01(\r\x12\x12\n\ntcp_ticket\x18\x04 \x01(\x0c\"u\n\x0cHandoffReply\x12\x32\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1e.flashsplit.v1.HandoffAcceptedH\x00\x12(\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x19.flashsplit.v1.HandoffAckH\x00\x42\x07\n\x05reply\"#\n\rStreamRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\"\xaa\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.flashsplit.v1.FinishReason\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x03 \x03(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.flashsplit.v1.TokenLogprobs2\x9e\x02\n\x06\x44\x65\x63ode\x12I\n\x07Handoff\x12\x1d.flashsplit.v1.HandoffMessage\x1a\x1b.flashsplit.v1.HandoffReply(\x01\x30\x01\x12\x43\n\x06Stream\x12\x1c.flashsplit.v1.StreamRequest\x1a\x19.flashsplit.v1.TokenEvent0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.flashsplit.v1.AbortRequest\x1a\x1c.flashsplit.v1.AbortResponse\x12@\n\x07GetLoad\x12\x1a.flashsplit.v1.LoadRequest\x1a\x19.flashsplit.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lashsplit/v1/decode.proto\x12\rflashsplit.v1\x1a\x19\x66lashsplit/v1/types.proto\"\xb9\x02\n\x10LayoutDescriptor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x1d\n\x15\x66ull_attention_layers\x18\x03 \x03(\r\x12\x12\n\ngdn_layers\x18\x04 \x03(\r\x12\x10\n\x08kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x10\n\x08\x63onv_dim\x18\x07 \x01(\r\x12\x13\n\x0b\x63onv_window\x18\x08 \x01(\r\x12\x15\n\rnum_key_heads\x18\t \x01(\r\x12\x17\n\x0fnum_value_heads\x18\n \x01(\r\x12\x14\n\x0ckey_head_dim\x18\x0b \x01(\r\x12\x16\n\x0evalue_head_dim\x18\x0c \x01(\r\x12\x14\n\x0cstate_layout\x18\r \x01(\t\x12\x11\n\tssm_dtype\x18\x0e \x01(\t\"\xb3\x02\n\rHandoffHeader\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12/\n\x06layout\x18\x03 \x01(\x0b\x32\x1f.flashsplit.v1.LayoutDescriptor\x12\x12\n\nprompt_len\x18\x04 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12/\n\x08sampling\x18\x07 \x01(\x0b\x32\x1d.flashsplit.v1.SamplingParams\x12\x10\n\x08manifest\x18\x08 \x01(\x0c\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x14\n\x0csource_pools\x18\n \x01(\x0c\x12\x14\n\x0crank_streams\x18\x0b \x01(\rJ\x04\x08\x05\x10\x06R\x0b\x66irst_token\"?\n\x08PoolCopy\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x11\n\tsrc_index\x18\x02 \x03(\r\x12\x11\n\tdst_start\x18\x03 \x01(\r\"I\n\x0bTensorChunk\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x96\x02\n\x0eHandoffTrailer\x12\x39\n\x06\x63rc32c\x18\x03 \x03(\x0b\x32).flashsplit.v1.HandoffTrailer.Crc32cEntry\x12\x18\n\x0b\x66irst_token\x18\x02 \x01(\rH\x00\x88\x01\x01\x12:\n\x14\x66irst_token_logprobs\x18\x04 \x01(\x0b\x32\x1c.flashsplit.v1.TokenLogprobs\x12\x12\n\ntcp_chunks\x18\x05 \x01(\r\x12\x13\n\x0brank_chunks\x18\x06 \x03(\r\x1a-\n\x0b\x43rc32cEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x42\x0e\n\x0c_first_tokenJ\x04\x08\x01\x10\x02R\x05\x63rc32\"\xd5\x01\n\x0eHandoffMessage\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.flashsplit.v1.HandoffHeaderH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.flashsplit.v1.TensorChunkH\x00\x12\x30\n\x07trailer\x18\x03 \x01(\x0b\x32\x1d.flashsplit.v1.HandoffTrailerH\x00\x12,\n\tpool_copy\x18\x04 \x01(\x0b\x32\x17.flashsplit.v1.PoolCopyH\x00\x42\x06\n\x04part\"8\n\nHandoffAck\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"\x89\x01\n\x0fHandoffAccepted\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x13\n\x0bpool_copies\x18\x02 \x01(\x08\x12\x10\n\x08tcp_port\x18\x03 \x01(\r\x12\x12\n\ntcp_ticket\x18\x04 \x01(\x0c\x12\x12\n\nrank_ports\x18\x05 \x03(\r\x12\x13\n\x0brank_ticket\x18\x06 \x01(\x0c\"u\n\x0cHandoffReply\x12\x32\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1e.flashsplit.v1.HandoffAcceptedH\x00\x12(\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x19.flashsplit.v1.HandoffAckH\x00\x42\x07\n\x05reply\"#\n\rStreamRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\"\xaa\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.flashsplit.v1.FinishReason\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x03 \x03(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.flashsplit.v1.TokenLogprobs2\x9e\x02\n\x06\x44\x65\x63ode\x12I\n\x07Handoff\x12\x1d.flashsplit.v1.HandoffMessage\x1a\x1b.flashsplit.v1.HandoffReply(\x01\x30\x01\x12\x43\n\x06Stream\x12\x1c.flashsplit.v1.StreamRequest\x1a\x19.flashsplit.v1.TokenEvent0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.flashsplit.v1.AbortRequest\x1a\x1c.flashsplit.v1.AbortResponse\x12@\n\x07GetLoad\x12\x1a.flashsplit.v1.LoadRequest\x1a\x19.flashsplit.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,27 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYOUTDESCRIPTOR']._serialized_start=73
   _globals['_LAYOUTDESCRIPTOR']._serialized_end=386
   _globals['_HANDOFFHEADER']._serialized_start=389
-  _globals['_HANDOFFHEADER']._serialized_end=674
-  _globals['_POOLCOPY']._serialized_start=676
-  _globals['_POOLCOPY']._serialized_end=739
-  _globals['_TENSORCHUNK']._serialized_start=741
-  _globals['_TENSORCHUNK']._serialized_end=814
-  _globals['_HANDOFFTRAILER']._serialized_start=817
-  _globals['_HANDOFFTRAILER']._serialized_end=1074
-  _globals['_HANDOFFTRAILER_CRC32CENTRY']._serialized_start=1000
-  _globals['_HANDOFFTRAILER_CRC32CENTRY']._serialized_end=1045
-  _globals['_HANDOFFMESSAGE']._serialized_start=1077
-  _globals['_HANDOFFMESSAGE']._serialized_end=1290
-  _globals['_HANDOFFACK']._serialized_start=1292
-  _globals['_HANDOFFACK']._serialized_end=1348
-  _globals['_HANDOFFACCEPTED']._serialized_start=1350
-  _globals['_HANDOFFACCEPTED']._serialized_end=1446
-  _globals['_HANDOFFREPLY']._serialized_start=1448
-  _globals['_HANDOFFREPLY']._serialized_end=1565
-  _globals['_STREAMREQUEST']._serialized_start=1567
-  _globals['_STREAMREQUEST']._serialized_end=1602
-  _globals['_TOKENEVENT']._serialized_start=1605
-  _globals['_TOKENEVENT']._serialized_end=1775
-  _globals['_DECODE']._serialized_start=1778
-  _globals['_DECODE']._serialized_end=2064
+  _globals['_HANDOFFHEADER']._serialized_end=696
+  _globals['_POOLCOPY']._serialized_start=698
+  _globals['_POOLCOPY']._serialized_end=761
+  _globals['_TENSORCHUNK']._serialized_start=763
+  _globals['_TENSORCHUNK']._serialized_end=836
+  _globals['_HANDOFFTRAILER']._serialized_start=839
+  _globals['_HANDOFFTRAILER']._serialized_end=1117
+  _globals['_HANDOFFTRAILER_CRC32CENTRY']._serialized_start=1043
+  _globals['_HANDOFFTRAILER_CRC32CENTRY']._serialized_end=1088
+  _globals['_HANDOFFMESSAGE']._serialized_start=1120
+  _globals['_HANDOFFMESSAGE']._serialized_end=1333
+  _globals['_HANDOFFACK']._serialized_start=1335
+  _globals['_HANDOFFACK']._serialized_end=1391
+  _globals['_HANDOFFACCEPTED']._serialized_start=1394
+  _globals['_HANDOFFACCEPTED']._serialized_end=1531
+  _globals['_HANDOFFREPLY']._serialized_start=1533
+  _globals['_HANDOFFREPLY']._serialized_end=1650
+  _globals['_STREAMREQUEST']._serialized_start=1652
+  _globals['_STREAMREQUEST']._serialized_end=1687
+  _globals['_TOKENEVENT']._serialized_start=1690
+  _globals['_TOKENEVENT']._serialized_end=1860
+  _globals['_DECODE']._serialized_start=1863
+  _globals['_DECODE']._serialized_end=2149
 # @@protoc_insertion_point(module_scope)

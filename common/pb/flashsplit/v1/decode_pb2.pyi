@@ -40,7 +40,7 @@ class LayoutDescriptor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., full_attention_layers: _Optional[_Iterable[int]] = ..., gdn_layers: _Optional[_Iterable[int]] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., conv_dim: _Optional[int] = ..., conv_window: _Optional[int] = ..., num_key_heads: _Optional[int] = ..., num_value_heads: _Optional[int] = ..., key_head_dim: _Optional[int] = ..., value_head_dim: _Optional[int] = ..., state_layout: _Optional[str] = ..., ssm_dtype: _Optional[str] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("handoff_id", "model_fingerprint", "layout", "prompt_len", "prompt_token_ids", "sampling", "manifest", "request_id", "source_pools")
+    __slots__ = ("handoff_id", "model_fingerprint", "layout", "prompt_len", "prompt_token_ids", "sampling", "manifest", "request_id", "source_pools", "rank_streams")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class HandoffHeader(_message.Message):
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_POOLS_FIELD_NUMBER: _ClassVar[int]
+    RANK_STREAMS_FIELD_NUMBER: _ClassVar[int]
     handoff_id: int
     model_fingerprint: str
     layout: LayoutDescriptor
@@ -59,7 +60,8 @@ class HandoffHeader(_message.Message):
     manifest: bytes
     request_id: str
     source_pools: bytes
-    def __init__(self, handoff_id: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[LayoutDescriptor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., manifest: _Optional[bytes] = ..., request_id: _Optional[str] = ..., source_pools: _Optional[bytes] = ...) -> None: ...
+    rank_streams: int
+    def __init__(self, handoff_id: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[LayoutDescriptor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., manifest: _Optional[bytes] = ..., request_id: _Optional[str] = ..., source_pools: _Optional[bytes] = ..., rank_streams: _Optional[int] = ...) -> None: ...
 
 class PoolCopy(_message.Message):
     __slots__ = ("field", "src_index", "dst_start")
@@ -84,7 +86,7 @@ class TensorChunk(_message.Message):
     def __init__(self, field: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class HandoffTrailer(_message.Message):
-    __slots__ = ("crc32c", "first_token", "first_token_logprobs", "tcp_chunks")
+    __slots__ = ("crc32c", "first_token", "first_token_logprobs", "tcp_chunks", "rank_chunks")
     class Crc32cEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,11 +98,13 @@ class HandoffTrailer(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TCP_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    RANK_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     crc32c: _containers.ScalarMap[str, int]
     first_token: int
     first_token_logprobs: _types_pb2.TokenLogprobs
     tcp_chunks: int
-    def __init__(self, crc32c: _Optional[_Mapping[str, int]] = ..., first_token: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_types_pb2.TokenLogprobs, _Mapping]] = ..., tcp_chunks: _Optional[int] = ...) -> None: ...
+    rank_chunks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, crc32c: _Optional[_Mapping[str, int]] = ..., first_token: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_types_pb2.TokenLogprobs, _Mapping]] = ..., tcp_chunks: _Optional[int] = ..., rank_chunks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandoffMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer", "pool_copy")
@@ -123,16 +127,20 @@ class HandoffAck(_message.Message):
     def __init__(self, handoff_id: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class HandoffAccepted(_message.Message):
-    __slots__ = ("handoff_id", "pool_copies", "tcp_port", "tcp_ticket")
+    __slots__ = ("handoff_id", "pool_copies", "tcp_port", "tcp_ticket", "rank_ports", "rank_ticket")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_COPIES_FIELD_NUMBER: _ClassVar[int]
     TCP_PORT_FIELD_NUMBER: _ClassVar[int]
     TCP_TICKET_FIELD_NUMBER: _ClassVar[int]
+    RANK_PORTS_FIELD_NUMBER: _ClassVar[int]
+    RANK_TICKET_FIELD_NUMBER: _ClassVar[int]
     handoff_id: int
     pool_copies: bool
     tcp_port: int
     tcp_ticket: bytes
-    def __init__(self, handoff_id: _Optional[int] = ..., pool_copies: _Optional[bool] = ..., tcp_port: _Optional[int] = ..., tcp_ticket: _Optional[bytes] = ...) -> None: ...
+    rank_ports: _containers.RepeatedScalarFieldContainer[int]
+    rank_ticket: bytes
+    def __init__(self, handoff_id: _Optional[int] = ..., pool_copies: _Optional[bool] = ..., tcp_port: _Optional[int] = ..., tcp_ticket: _Optional[bytes] = ..., rank_ports: _Optional[_Iterable[int]] = ..., rank_ticket: _Optional[bytes] = ...) -> None: ...
 
 class HandoffReply(_message.Message):
     __slots__ = ("accepted", "ack")

@@ -1,0 +1,84 @@
+"""A prefill follower's per-rank handoff streams: what it does with rank 0's
+:class:`~common.parallel.band_messages.SendBands` and ``DropBands``.
+
+Each ``SendBands`` queues this rank's bands of what a step made final on its own
+:class:`~prefill_service.band_sender.BandSender`; after the final one (the GDN state is in
+it) the rank reports what it sent under ``sent_key`` once all of it is written, and rank 0
+reads and deletes that report for the trailer. ``DropBands`` comes when the request ends,
+however it ended: the sender stops and forgets it, and a report rank 0 never read (it gave up
+first, or the handoff failed after the final part) is deleted, or is not set at all if it
+was still being written. So no key of a handoff stays in the group's store.
+
+``prefill_service/__main__.py`` hands :class:`PrefillFollowerBands` to the group it starts;
+each follower makes one.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+from common.parallel.band_messages import DropBands, SendBands, sent_key
+from prefill_service.band_sender import BandSender, BandsSent
+
+
+class PrefillFollowerBands:
+    """Follower ``tp.rank``'s band sender, made on first use from ``follower``'s model and
+    pools; implements :class:`~common.parallel.band_messages.BandHandler`."""
+
+    def __init__(self, tp, follower) -> None:
+        self.tp = tp
+        self._follower = follower
+        self._sender: BandSender | None = None
+        self._lock = threading.Lock()
+        # handoffs whose report is due (final part queued, not dropped): only these may set
+        # their key, so a report that finishes after DropBands leaves nothing behind
+        self._reporting: set[int] = set()
+
+    def handle(self, message) -> None:
+        if isinstance(message, SendBands):
+            self._send(message)
+        elif isinstance(message, DropBands):
+            self._drop(message.handoff_id)
+        else:
+            raise TypeError(f"a prefill follower takes no {type(message).__name__}")
+
+    def _send(self, message: SendBands) -> None:
+        if self._sender is None:
+            f = self._follower
+            self._sender = BandSender(f.model.config, self.tp.rank, f.kv_pool.kv,
+                                      f.state_pool.conv, f.state_pool.ssm)
+        self._sender.send(message.handoff_id, message.plan, message.page_ids, message.start,
+                          message.slot)
+        if message.slot is not None:  # the last part: report once all of it is written
+            handoff_id = message.handoff_id
+            with self._lock:
+                self._reporting.add(handoff_id)
+            self._sender.finish(handoff_id).add_done_callback(
+                lambda done: self._report(handoff_id, _sent(done)))
+
+    def _report(self, handoff_id: int, sent: BandsSent) -> None:
+        with self._lock:
+            if handoff_id not in self._reporting:
+                return  # dropped while it was written: nobody will read it
+            self._reporting.discard(handoff_id)
+            self.tp.store.set(sent_key(handoff_id, self.tp.rank), pickle.dumps(sent))
+
+    def _drop(self, handoff_id: int) -> None:
+        if self._sender is not None:
+            self._sender.drop(handoff_id)
+        with self._lock:
+            self._reporting.discard(handoff_id)
+            # rank 0 reads it on success; on any other end it is still there
+            self.tp.store.delete_key(sent_key(handoff_id, self.tp.rank))
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+
+
+def _sent(done) -> BandsSent:
+    try:
+        return done.result()
+    except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which fails the handoff
+        return BandsSent((), {}, 0, f"{type(exc).__name__}: {exc}")
