@@ -120,10 +120,10 @@ def _attention_plan(model: HybridForCausalLM, kv_pool: KVPool, *, rows: int, q_l
                     make_plan: Callable[..., Any]):
     """The attention plan of ``rows`` rows of ``q_len`` tokens, from the factory the kernels'
     graph support gave (``GraphSupport.attention_plans``)."""
-    c = model.config
+    c, heads = model.config, model.shard_plan.attention  # this rank's heads, not the model's
     return make_plan(
-        batch_size=rows, q_len=q_len, num_qo_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, page_size=kv_pool.page_size,
+        batch_size=rows, q_len=q_len, num_qo_heads=len(heads.heads),
+        num_kv_heads=len(heads.groups), head_dim=c.head_dim, page_size=kv_pool.page_size,
         max_pages=kv_pool.num_pages + rows * kv_pool.pages_for(q_len), dtype=kv_pool.kv.dtype,
         scale=c.head_dim ** -0.5)
 

@@ -196,3 +196,25 @@ def test_verify_graphs_respect_the_token_cap_of_the_target_ops(model):
                                 max_graph_tokens=tokens)
         caps[tokens] = None if spec.verify_graphs is None else spec.verify_graphs.batch_sizes[-1]
     assert caps == {None: 10, 64: 4, 3: None}  # 1024 // 16 > 10; 64 // 16; below one block
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_an_attention_plan_takes_this_ranks_heads(world_size):
+    # a rank's queries and KV heads, not the model's: a graph of a tensor-parallel rank plans
+    # attention over what its pools and projections hold
+    from benchmarks.shapes import QWEN3_5_35B_A3B
+    from common.cache.pools import make_pools
+    from common.engine.cuda_graph import _attention_plan
+    from common.model.family_registry import model_class_for, parse_model_config
+    from common.parallel.group import TensorParallelGroup
+    from tests.common.parallel.stand_in_group import NoOtherRank
+
+    config = parse_model_config({**QWEN3_5_35B_A3B, "num_hidden_layers": 4, "hidden_size": 256,
+                                 "num_experts": 4, "vocab_size": 512, "dtype": "float32"})
+    pg = NoOtherRank()
+    shard = model_class_for(config)(config, tp=TensorParallelGroup(0, world_size, pg, pg))
+    kv_pool, _ = make_pools(shard, CacheConfig(page_size=16, num_pages=4, num_slots=2), "cpu")
+    asked = {}
+    _attention_plan(shard, kv_pool, rows=2, q_len=1, make_plan=lambda **kw: asked.update(kw))
+    assert asked["num_qo_heads"] == 16 // world_size
+    assert asked["num_kv_heads"] == kv_pool.kv.shape[-2] == max(1, 2 // world_size)
