@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
 import secrets
 import threading
 from types import SimpleNamespace
 
 import pytest
-import torch.distributed as dist
 
 from common.handoff.errors import HandoffError
 from common.handoff.parts import TrailerPart
@@ -26,31 +24,11 @@ from common.parallel.rank_streams import RankStreamPlan
 from decode_service.follower_bands import DecodeFollowerBands
 from decode_service.rank_streams import DecodeRankStreams
 from prefill_service.band_sender import BandSender
+from tests.common.parallel.band_fixtures import config, listeners, store  # noqa: F401
 from tests.decode_service.test_band_receiver import PAGE, PROMPT, full_pools, part, receivers
 
 PAGES, SLOT = [2, 4, 6], 2
 IDLE_S = 10.0
-
-
-@pytest.fixture
-def store():
-    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=30))
-
-
-@pytest.fixture
-def config():
-    from common.model.load import load_config
-
-    return load_config("tiny")
-
-
-@pytest.fixture
-def listeners():
-    made = []
-    yield made
-    for listener in made:
-        listener.close()
 
 
 class Decode:

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-import torch.distributed as dist
 
 from common.parallel.band_messages import DropBands, SendBands, sent_key, wait_for
 from common.parallel.rank_streams import RankStreamPlan
@@ -23,31 +21,11 @@ from prefill_service.band_sender import BandSender
 from prefill_service.engine import StateReady
 from prefill_service.follower_bands import PrefillFollowerBands
 from prefill_service.leader_bands import LeaderBands, PrefillRankStreams
+from tests.common.parallel.band_fixtures import config, listeners, store  # noqa: F401
 from tests.decode_service.test_band_receiver import PAGE, PROMPT, full_pools, part, receivers
 from tests.prefill_service.test_band_sender import closed_port
 
 PAGES, SLOT = [3, 5, 7], 1
-
-
-@pytest.fixture
-def store():
-    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=30))
-
-
-@pytest.fixture
-def config():
-    from common.model.load import load_config
-
-    return load_config("tiny")
-
-
-@pytest.fixture
-def listeners():
-    made = []
-    yield made
-    for listener in made:
-        listener.close()
 
 
 class Prefill:
