@@ -17,7 +17,7 @@ def test_engine_and_servicer_updates_reach_both_the_scrape_and_get_load():
     m.prompt_aborted()
     m.answered("OK")
     m.answered("CANCELLED")
-    m.handoff_sent(4096, 0.002, pool_copies=False, over_tcp=True)
+    m.handoff_sent(4096, 0.002, pool_copies=False, over_tcp=True, rank_streams=True)
     m.handoff_sent(0, 0.001, pool_copies=True)
     m.handoff_failed()
     s = scrape_registry(m.registry)
@@ -30,10 +30,11 @@ def test_engine_and_servicer_updates_reach_both_the_scrape_and_get_load():
     assert s.value(f"{P}_handoff_bytes_sum") == 4096
     assert s.value(f"{P}_handoff_time_seconds_count") == 2
     assert s.value(f"{P}_handoff_tcp_total") == 1
+    assert s.value(f"{P}_handoff_rank_streams_total") == 1
     assert m.load_counters() == {
         "prefilled": 1, "prompt_tokens": 9, "aborted": 1, "handoffs_sent": 2,
         "handoffs_failed": 1, "handoff_bytes": 4096, "handoffs_as_pool_copies": 1,
-        "handoffs_over_tcp": 1}
+        "handoffs_over_tcp": 1, "handoffs_over_rank_streams": 1}
 
 
 def test_gauges_read_the_load_snapshot_at_each_scrape():
