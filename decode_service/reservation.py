@@ -31,51 +31,10 @@ import torch
 
 from common.handoff.errors import HandoffError
 from common.handoff.parts import HeaderPart, PoolCopyPart
-from common.handoff.reservation import ChunkBytes, host_bytes, write_bytes
+from common.handoff.paged_writes import write_paged
+from common.handoff.reservation import ChunkBytes, write_bytes
 from common.parallel.prompt_state import PromptState
 from decode_service.peer_pools import SourcePools
-
-
-def write_paged(pool: torch.Tensor, layer: int, page_ids: list[int], num_pages: int,
-                offset: int, data: ChunkBytes) -> None:
-    """Land bytes ``[offset, offset + len(data))`` of one layer of a ``[2, num_pages, page, ...]``
-    payload field in the pool ``[L, pool_pages, 2, page, ...]`` at the request's ``page_ids``.
-
-    Whole pages go in one scatter per call; a range that starts or ends inside a page (only a
-    sender that splits oddly makes one) is written page piece by page piece. ``data`` may be a
-    uint8 host tensor (see ``common.handoff.reservation``); on a GPU it crosses as bytes and is
-    viewed as the pool's dtype there, so a piece at any byte offset of a pinned buffer stays one
-    pinned source."""
-    page_shape = pool.shape[3:]
-    page_bytes = pool[0, 0, 0].numel() * pool.element_size()
-    half_bytes = num_pages * page_bytes
-    src = host_bytes(data)
-    start, end = 0, src.numel()
-    pos = offset
-    while start < end:
-        half, within = divmod(pos, half_bytes)
-        page, intra = divmod(within, page_bytes)
-        left = end - start
-        if intra == 0 and left >= page_bytes:
-            count = min(left // page_bytes, num_pages - page)
-            n = count * page_bytes
-            rows = _as_dtype(src[start:start + n].to(pool.device, non_blocking=True), pool.dtype)
-            index = torch.tensor(page_ids[page:page + count], device=pool.device)
-            pool[layer, index, half] = rows.view(count, *page_shape)
-        else:
-            n = min(page_bytes - intra, left)
-            write_bytes(pool[layer, page_ids[page], half], intra, src[start:start + n])
-        start += n
-        pos += n
-
-
-def _as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The 1-D uint8 ``raw`` viewed as ``dtype`` without a copy. torch views a slice so only
-    from an offset that is a multiple of the element size; other slices (a tcp frame's payload
-    sits where its message's prefix ends) are viewed afresh from their first byte."""
-    if raw.storage_offset() % dtype.itemsize:
-        raw = host_bytes(memoryview(raw.numpy()))  # a CPU slice: the device's are fresh copies
-    return raw.view(dtype)
 
 
 class PoolReservation:

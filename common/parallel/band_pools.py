@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from common.handoff.bands import Band
-from common.handoff.reservation import ChunkBytes, host_bytes, write_bytes
+from common.handoff.paged_writes import write_paged
+from common.handoff.reservation import ChunkBytes, write_bytes
 
 
 def band_page_bytes(kv_pool: torch.Tensor, band: Band) -> int:
@@ -43,36 +44,11 @@ def read_state_band(pool: torch.Tensor, layer: int, slot: int, at: int,
 def write_kv_band(kv_pool: torch.Tensor, layer: int, page_ids: list[int], num_pages: int,
                   at: int, band: Band, offset: int, data: ChunkBytes) -> None:
     """Land bytes ``[offset, offset + len)`` of one layer of a ``kv`` band (payload pages
-    ``page_ids`` of the request, ``num_pages`` of them) at head ``at`` of the pool. Whole
-    pages go in one indexed write; a piece inside a page is written through a copy of that
-    page's band."""
-    page_bytes = band_page_bytes(kv_pool, band)
-    half_bytes = num_pages * page_bytes
-    page_shape = (kv_pool.shape[3], band.width, kv_pool.shape[5])
-    heads = slice(at, at + band.width)
-    src = host_bytes(data)
-    start, end, pos = 0, src.numel(), offset
-    while start < end:
-        half, within = divmod(pos, half_bytes)
-        page, intra = divmod(within, page_bytes)
-        left = end - start
-        if intra == 0 and left >= page_bytes:
-            count = min(left // page_bytes, num_pages - page)
-            n = count * page_bytes
-            raw = src[start:start + n]
-            if raw.storage_offset() % kv_pool.element_size():
-                raw = raw.clone()  # a view of another dtype must start on its alignment
-            rows = raw.to(kv_pool.device).view(kv_pool.dtype).view(count, *page_shape)
-            index = torch.tensor(page_ids[page:page + count], device=kv_pool.device)
-            kv_pool[layer, index, half, :, heads] = rows
-        else:
-            n = min(page_bytes - intra, left)
-            target = kv_pool[layer, page_ids[page], half, :, heads]
-            piece = target.contiguous()
-            write_bytes(piece, intra, src[start:start + n])
-            target.copy_(piece)
-        start += n
-        pos += n
+    ``page_ids`` of the request, ``num_pages`` of them) at head ``at`` of the pool: the pool
+    narrowed to the band's heads takes the payload's page walk. On a GPU the copy is
+    asynchronous: the receiver waits for its stream before it reuses the frame."""
+    write_paged(kv_pool[:, :, :, :, at:at + band.width], layer, page_ids, num_pages, offset,
+                data)
 
 
 def write_state_band(pool: torch.Tensor, layer: int, slot: int, at: int, band: Band,

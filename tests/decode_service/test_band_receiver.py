@@ -19,6 +19,7 @@ from decode_service.tcp_listener import TcpHandoffListener
 from prefill_service.band_sender import BandSender
 from prefill_service.leader_bands import merge_sent
 from prefill_service.tcp_connections import TcpConnections
+from tests.common.parallel.band_fixtures import listeners  # noqa: F401
 
 PAGE, PROMPT, LAYERS, GDN_LAYERS, W = 4, 10, 2, 3, 3  # 3 pages, the last one half full
 SPLIT = {"kv": 4, "conv": 2, "ssm": 2}
@@ -58,14 +59,6 @@ def receivers(config, world, listeners):
         out.append((BandReceiver(listener, config, rank, world, pools["kv"], pools["conv"],
                                  pools["ssm"]), pools))
     return out
-
-
-@pytest.fixture
-def listeners():
-    made = []
-    yield made
-    for listener in made:
-        listener.close()
 
 
 @pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2), (2, 4)])
