@@ -17,12 +17,12 @@ follower makes one.
 
 from __future__ import annotations
 
-import pickle
 import threading
 
 from common.auth import secrets_match
-from common.parallel.band_messages import (CompleteBands, ExpectBands, ForgetBands,
-                                           OpenBandListener, landed_key, port_key, ready_key)
+from common.parallel.band_messages import (CompleteBands, DueReports, ExpectBands,
+                                           ForgetBands, OpenBandListener, landed_key, port_key,
+                                           ready_key)
 from decode_service.band_receiver import BandReceiver
 from decode_service.tcp_listener import TcpHandoffListener
 
@@ -35,10 +35,8 @@ class DecodeFollowerBands:
         self.tp = tp
         self._follower = follower
         self._receiver: BandReceiver | None = None
-        self._lock = threading.Lock()
-        # tickets whose landing report is due (completing, not forgotten): only these may set
-        # their key, so a landing that ends after ForgetBands leaves nothing behind
-        self._completing: set[bytes] = set()
+        # a ticket's landing report is due from CompleteBands until it is forgotten
+        self._reports = DueReports(tp.store)
 
     def handle(self, message) -> None:
         if isinstance(message, OpenBandListener):
@@ -50,8 +48,7 @@ class DecodeFollowerBands:
             self.tp.store.set(ready_key(message.ticket, self.tp.rank), b"1")
         elif isinstance(message, CompleteBands):
             self._require_receiver(message)
-            with self._lock:
-                self._completing.add(message.ticket)
+            self._reports.expect(landed_key(message.ticket, self.tp.rank))
             threading.Thread(target=self._complete, args=(message,), daemon=True,
                              name="band-complete").start()
         elif isinstance(message, ForgetBands):
@@ -77,20 +74,13 @@ class DecodeFollowerBands:
     def _complete(self, message: CompleteBands) -> None:
         landed = self._receiver.complete(message.ticket, message.frames[self.tp.rank],
                                          message.idle_timeout_s)
-        with self._lock:
-            if message.ticket not in self._completing:
-                return  # forgotten while it landed: nobody will read it
-            self._completing.discard(message.ticket)
-            self.tp.store.set(landed_key(message.ticket, self.tp.rank), pickle.dumps(landed))
+        self._reports.report(landed_key(message.ticket, self.tp.rank), landed)
 
     def _forget(self, ticket: bytes) -> None:
         if self._receiver is not None:
             self._receiver.forget(ticket)
-        with self._lock:
-            self._completing.discard(ticket)
-            # rank 0 reads both when the handoff is admitted; on any other end they may stay
-            self.tp.store.delete_key(ready_key(ticket, self.tp.rank))
-            self.tp.store.delete_key(landed_key(ticket, self.tp.rank))
+        # rank 0 reads both when the handoff is admitted; on any other end they may stay
+        self._reports.cancel(ready_key(ticket, self.tp.rank), landed_key(ticket, self.tp.rank))
 
     def close(self) -> None:
         if self._receiver is not None:

@@ -15,10 +15,7 @@ each follower makes one.
 
 from __future__ import annotations
 
-import pickle
-import threading
-
-from common.parallel.band_messages import DropBands, SendBands, sent_key
+from common.parallel.band_messages import DropBands, DueReports, SendBands, sent_key
 from prefill_service.band_sender import BandSender, BandsSent
 
 
@@ -30,10 +27,8 @@ class PrefillFollowerBands:
         self.tp = tp
         self._follower = follower
         self._sender: BandSender | None = None
-        self._lock = threading.Lock()
-        # handoffs whose report is due (final part queued, not dropped): only these may set
-        # their key, so a report that finishes after DropBands leaves nothing behind
-        self._reporting: set[int] = set()
+        # a handoff's report is due from its final part until it is dropped
+        self._reports = DueReports(tp.store)
 
     def handle(self, message) -> None:
         if isinstance(message, SendBands):
@@ -51,26 +46,16 @@ class PrefillFollowerBands:
         self._sender.send(message.handoff_id, message.plan, message.page_ids, message.start,
                           message.slot)
         if message.slot is not None:  # the last part: report once all of it is written
-            handoff_id = message.handoff_id
-            with self._lock:
-                self._reporting.add(handoff_id)
-            self._sender.finish(handoff_id).add_done_callback(
-                lambda done: self._report(handoff_id, _sent(done)))
-
-    def _report(self, handoff_id: int, sent: BandsSent) -> None:
-        with self._lock:
-            if handoff_id not in self._reporting:
-                return  # dropped while it was written: nobody will read it
-            self._reporting.discard(handoff_id)
-            self.tp.store.set(sent_key(handoff_id, self.tp.rank), pickle.dumps(sent))
+            key = sent_key(message.handoff_id, self.tp.rank)
+            self._reports.expect(key)
+            self._sender.finish(message.handoff_id).add_done_callback(
+                lambda done: self._reports.report(key, _sent(done)))
 
     def _drop(self, handoff_id: int) -> None:
         if self._sender is not None:
             self._sender.drop(handoff_id)
-        with self._lock:
-            self._reporting.discard(handoff_id)
-            # rank 0 reads it on success; on any other end it is still there
-            self.tp.store.delete_key(sent_key(handoff_id, self.tp.rank))
+        # rank 0 reads the report on success; on any other end it may still be there
+        self._reports.cancel(sent_key(handoff_id, self.tp.rank))
 
     def close(self) -> None:
         if self._sender is not None:

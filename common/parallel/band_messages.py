@@ -29,6 +29,7 @@ handoffs it serves.
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,3 +147,34 @@ def take_reports(store, keys: list[str], timeout_s: float) -> list:
     for key in keys:
         store.delete_key(key)
     return out
+
+
+class DueReports:
+    """The reports a follower owes rank 0 under store keys. A key may be set only while its
+    report is due (``expect`` made it so, no ``cancel`` since), so a report that finishes after
+    its handoff ended sets nothing; ``cancel`` deletes whatever rank 0 did not read. Together
+    they keep a handoff's keys out of the store once it ends, however it ends."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._due: set[str] = set()
+
+    def expect(self, key: str) -> None:
+        with self._lock:
+            self._due.add(key)
+
+    def report(self, key: str, value) -> None:
+        """Set ``key`` to ``value`` pickled, if its report is still due."""
+        with self._lock:
+            if key not in self._due:
+                return  # its handoff ended while it was made: nobody will read it
+            self._due.discard(key)
+            self._store.set(key, pickle.dumps(value))
+
+    def cancel(self, *keys: str) -> None:
+        """The handoff ended: none of ``keys`` is due any more, and none stays set."""
+        with self._lock:
+            for key in keys:
+                self._due.discard(key)
+                self._store.delete_key(key)

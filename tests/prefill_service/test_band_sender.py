@@ -4,7 +4,6 @@ sends nothing more."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import torch
@@ -12,6 +11,7 @@ import torch
 from common.model.load import load_config
 from common.parallel.rank_streams import RankStreamPlan
 from prefill_service.band_sender import BandSender
+from tests.ports import closed_port
 
 
 def sender():
@@ -21,14 +21,6 @@ def sender():
     ssm = torch.zeros(3, 4, c.linear_num_value_heads, c.linear_value_head_dim,
                       c.linear_key_head_dim)
     return BandSender(c, 0, kv, conv, ssm)
-
-
-def closed_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()  # nothing listens there now
-    return port
 
 
 def test_an_unreachable_decode_rank_is_reported():

@@ -23,7 +23,7 @@ from prefill_service.follower_bands import PrefillFollowerBands
 from prefill_service.leader_bands import LeaderBands, PrefillRankStreams
 from tests.common.parallel.band_fixtures import config, listeners, store  # noqa: F401
 from tests.decode_service.test_band_receiver import PAGE, PROMPT, full_pools, part, receivers
-from tests.prefill_service.test_band_sender import closed_port
+from tests.ports import closed_port
 
 PAGES, SLOT = [3, 5, 7], 1
 

@@ -4,7 +4,6 @@ an unreachable decode worker, Abort of an unknown handoff, and GetLoad."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import pytest
@@ -17,6 +16,7 @@ from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_sender import HandoffSender
 from prefill_service.server import PrefillServicer
 from prefill_service.state_reader import StateReader
+from tests.ports import closed_port
 
 PAGE_SIZE, NUM_PAGES = 4, 9  # 8 usable pages: prompts of at most 32 tokens
 
@@ -36,12 +36,6 @@ def engine(model):
     engine.start()
     yield engine
     engine.stop()
-
-
-def closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def call(engine: PrefillEngine, method: str, request):
@@ -101,7 +95,7 @@ def test_refused_before_any_work(engine, over, match):
 
 
 def test_an_unreachable_decode_worker_is_unavailable_and_nothing_is_held(engine):
-    reply = call(engine, "Prefill", prefill_request(decode_address=closed_port()))
+    reply = call(engine, "Prefill", prefill_request(decode_address=f"127.0.0.1:{closed_port()}"))
     assert isinstance(reply, grpc.aio.AioRpcError)
     assert reply.code() == grpc.StatusCode.UNAVAILABLE
     assert "handoff to 127.0.0.1:" in reply.details()

@@ -18,14 +18,7 @@ from prefill_service.handoff_sender import (SECOND_TCP_CONNECTION_BYTES, Handoff
 from prefill_service.tcp_connections import TcpConnections
 from common.handoff.stream import header_of
 from tests.common.handoff.conftest import config, fingerprint, layout, make_payload  # noqa: F401
-
-
-def _closed_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()  # nothing listens there now
-    return port
+from tests.ports import closed_port
 
 
 def test_idle_connections_are_reused_and_dead_ones_replaced():
@@ -50,7 +43,7 @@ def test_idle_connections_are_reused_and_dead_ones_replaced():
 
 
 def test_an_unreachable_listener_is_not_tried_again_at_once():
-    port = _closed_port()
+    port = closed_port()
     connections = TcpConnections(None, retry_after_s=60)
     with pytest.raises(ConnectionRefusedError):
         connections.acquire("127.0.0.1", port)
@@ -132,7 +125,7 @@ def test_a_handoff_takes_the_listener_it_is_offered(transport, make_payload):
 
 
 def test_auto_streams_when_the_listener_cannot_be_reached(make_payload):
-    accepted = decode_pb2.HandoffAccepted(handoff_id=1, tcp_port=_closed_port(),
+    accepted = decode_pb2.HandoffAccepted(handoff_id=1, tcp_port=closed_port(),
                                           tcp_ticket=b"t" * 16)
     over_tcp, _ = _open("auto", accepted, TcpConnections(None), make_payload(5))
     assert not over_tcp  # its chunks go on the stream
@@ -140,7 +133,7 @@ def test_auto_streams_when_the_listener_cannot_be_reached(make_payload):
 
 @pytest.mark.parametrize("offer_port", [True, False])
 def test_tcp_fails_clearly_without_a_reachable_listener(offer_port, make_payload):
-    accepted = decode_pb2.HandoffAccepted(handoff_id=1, tcp_port=_closed_port() if offer_port
+    accepted = decode_pb2.HandoffAccepted(handoff_id=1, tcp_port=closed_port() if offer_port
                                           else 0, tcp_ticket=b"t" * 16)
     with pytest.raises(HandoffTransportError, match="takes no chunks over TCP"):
         _open("tcp", accepted, TcpConnections(None), make_payload(5))

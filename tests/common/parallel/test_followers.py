@@ -17,16 +17,12 @@ from common.parallel.followers import (Follower, FollowerLink, RunForward, Shard
                                        Stop)
 from common.parallel.group import TensorParallelGroup
 from common.sampling import SamplingParams
+from tests.common.parallel.stand_in_group import Done, NoOtherRank
 
 CACHE = CacheConfig(page_size=4, num_pages=16, num_slots=3)
 
 
-class Done:
-    def wait(self) -> None:
-        pass
-
-
-class LonelyGroup:
+class LonelyGroup(NoOtherRank):
     """A process group whose other ranks contribute nothing; ``sent`` keeps rank 0's
     broadcasts, and a follower's broadcasts deliver ``inbox`` in turn."""
 
@@ -46,14 +42,6 @@ class LonelyGroup:
                 self.inbox.pop(0)
         else:
             self.sent.append(tensor.clone())
-        return Done()
-
-    def allreduce(self, tensors):
-        return Done()
-
-    def allgather(self, outputs, inputs):
-        for out in outputs[0]:
-            out.copy_(inputs[0])
         return Done()
 
 
