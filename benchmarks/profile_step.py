@@ -13,6 +13,7 @@
     python -m benchmarks.profile_step --device cuda --batch 1 [--out out/profile.json]
     python -m benchmarks.profile_step --model qwen3.5-35b-a3b          # MoE decode (no DFLASH)
     python -m benchmarks.profile_step --device cpu --model tiny      # a quick run on the CPU
+    python -m benchmarks.profile_step --model pycoder --draft pycoder  # a trained pair
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.decode import build, engine_for, fill_batch
+from benchmarks.shapes import SHAPES
 from common.engine import speculative
 from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
 from common.model.dflash import load_draft
+from common.model.kernels import select_kernels
 from common.model.load import load_model
 
 PHASES = ("propose", "verify", "accept", "commit", "context")
@@ -51,17 +54,45 @@ def tiny_engine(draft: bool) -> LLMEngine:
     return LLMEngine(model, config, draft=load_draft("tiny", model) if draft else None)
 
 
+def checkpoint_engines(model_name: str, draft_name: str, kernels: str, batch: int,
+                       block_size: int, device: str) -> tuple[LLMEngine, LLMEngine | None]:
+    """The plain and the DFLASH engine of a checkpoint (a built-in name or a directory) and its
+    draft, sharing one model; graphs are captured on a GPU."""
+    on_gpu = device.startswith("cuda")
+    model = load_model(model_name, device=device,
+                       kernels=select_kernels(kernels if on_gpu else "reference"))
+    draft = load_draft(draft_name, model) if draft_name else None
+    if draft is not None:
+        model.set_dflash_layers_to_capture(draft.config.target_layer_ids)
+    running = max(8, batch)
+    cache = CacheConfig(page_size=16, num_pages=running * 1024 // 16 + 64, num_slots=running + 1)
+    engines = []
+    for d in (None, draft) if draft is not None else (None,):
+        config = EngineConfig(cache=cache, device=device,
+                              scheduler=SchedulerConfig(max_running_requests=running),
+                              cuda_graph=CudaGraphConfig(enabled=on_gpu))
+        engine = LLMEngine(model, config, draft=d, block_size=block_size if d else None)
+        if on_gpu:
+            engine.warmup()
+        engines.append(engine)
+    return engines[0], engines[1] if len(engines) > 1 else None
+
+
 def profile_decode(engine: LLMEngine, device: str, steps: int = 5) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if device.startswith("cuda") else [])
     engine.step()
     _sync(device)
+    # wall time from unprofiled steps: starting the profiler alone takes longer than a step
     start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(device)
+    wall = (time.perf_counter() - start) / steps
     with profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
         _sync(device)
-    wall = (time.perf_counter() - start) / steps
     kernels = collections.Counter()
     counts = collections.Counter()
     for e in prof.key_averages():
@@ -143,7 +174,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="qwen3.5-4b",
                    help="a benchmarks/shapes.py name (random weights; DFLASH for qwen3.5-4b "
-                        "only, the draft's shape) or tiny")
+                        "only, the draft's shape), tiny, or a checkpoint (a built-in name "
+                        "such as pycoder, or a directory) with --draft")
+    p.add_argument("--draft", default="",
+                   help="the DFLASH draft of a checkpoint --model (a built-in name or a "
+                        "directory); without it only the decode step is profiled")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kernels", default="gpu", help="a kernel set (e.g. gpu-no-pdl)")
@@ -152,6 +187,10 @@ def main(argv=None) -> int:
     if args.model == "tiny":
         plain, spec = tiny_engine(False), tiny_engine(True)
         prompt_len, vocab = 24, 250
+    elif args.model not in SHAPES:
+        plain, spec = checkpoint_engines(args.model, args.draft, args.kernels, args.batch,
+                                         args.block_size, args.device)
+        prompt_len, vocab = 128, plain.model.config.vocab_size
     else:
         with_draft = args.model == "qwen3.5-4b"
         model, draft = build(args.kernels, with_draft=with_draft, shape=args.model)

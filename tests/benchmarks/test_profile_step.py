@@ -1,0 +1,28 @@
+"""benchmarks/profile_step.py on the CPU with the built-in trained pair (a checkpoint and its
+draft, the path a user's own pair takes): both steps timed, every DFLASH phase in the JSON."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.profile_step import PHASES, main
+
+
+def test_a_checkpoint_and_its_draft_get_both_steps_profiled(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["--device", "cpu", "--model", "pycoder", "--draft", "pycoder",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == "pycoder"
+    # unprofiled steps: the wall time is a step's, not the profiler's start-up
+    assert 0 < result["decode"]["wall_ms"] < result["dflash"]["step"] * 4
+    assert set(PHASES) <= set(result["dflash"])
+    assert result["dflash"]["propose"] > 0 and result["dflash"]["commit"] > 0
+    assert "dflash step, medians (ms)" in capsys.readouterr().out
+
+
+def test_a_checkpoint_without_a_draft_profiles_the_decode_step_only(tmp_path):
+    out = tmp_path / "profile.json"
+    assert main(["--device", "cpu", "--model", "pycoder", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["decode"]["wall_ms"] > 0 and result["dflash"] == {}
