@@ -60,12 +60,14 @@ def build(kernels: str, with_draft: bool, shape: str = "qwen3.5-4b"):
     return model.eval(), draft
 
 
-def engine_for(model, draft, *, block_size=None, max_running=256, graphs=False, overlap=False):
-    """An engine on the GPU; with ``graphs`` its CUDA graphs are captured before it returns."""
+def engine_for(model, draft, *, block_size=None, max_running=256, graphs=False, overlap=False,
+               device="cuda"):
+    """An engine on ``device`` (the GPU by default); with ``graphs`` its CUDA graphs are
+    captured before it returns."""
     cache = CacheConfig(page_size=16, num_pages=max_running * (CONTEXT + 160) // 16 + 64,
                         num_slots=max_running + 1)
     sched = SchedulerConfig(max_prefill_tokens=16384, max_running_requests=max_running)
-    config = EngineConfig(cache=cache, scheduler=sched, device="cuda",
+    config = EngineConfig(cache=cache, scheduler=sched, device=device,
                           cuda_graph=CudaGraphConfig(enabled=graphs), overlap_schedule=overlap)
     engine = LLMEngine(model, config, draft=draft, block_size=block_size)
     if graphs:

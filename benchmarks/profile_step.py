@@ -54,28 +54,13 @@ def tiny_engine(draft: bool) -> LLMEngine:
     return LLMEngine(model, config, draft=load_draft("tiny", model) if draft else None)
 
 
-def checkpoint_engines(model_name: str, draft_name: str, kernels: str, batch: int,
-                       block_size: int, device: str) -> tuple[LLMEngine, LLMEngine | None]:
-    """The plain and the DFLASH engine of a checkpoint (a built-in name or a directory) and its
-    draft, sharing one model; graphs are captured on a GPU."""
+def load_pair(model_name: str, draft_name: str, kernels: str, device: str):
+    """A checkpoint (a built-in name or a directory) and its draft (None without one), with
+    kernel set ``kernels`` on a GPU and the reference kernels on the CPU."""
     on_gpu = device.startswith("cuda")
     model = load_model(model_name, device=device,
                        kernels=select_kernels(kernels if on_gpu else "reference"))
-    draft = load_draft(draft_name, model) if draft_name else None
-    if draft is not None:
-        model.set_dflash_layers_to_capture(draft.config.target_layer_ids)
-    running = max(8, batch)
-    cache = CacheConfig(page_size=16, num_pages=running * 1024 // 16 + 64, num_slots=running + 1)
-    engines = []
-    for d in (None, draft) if draft is not None else (None,):
-        config = EngineConfig(cache=cache, device=device,
-                              scheduler=SchedulerConfig(max_running_requests=running),
-                              cuda_graph=CudaGraphConfig(enabled=on_gpu))
-        engine = LLMEngine(model, config, draft=d, block_size=block_size if d else None)
-        if on_gpu:
-            engine.warmup()
-        engines.append(engine)
-    return engines[0], engines[1] if len(engines) > 1 else None
+    return model.eval(), load_draft(draft_name, model) if draft_name else None
 
 
 def profile_decode(engine: LLMEngine, device: str, steps: int = 5) -> dict:
@@ -187,17 +172,19 @@ def main(argv=None) -> int:
     if args.model == "tiny":
         plain, spec = tiny_engine(False), tiny_engine(True)
         prompt_len, vocab = 24, 250
-    elif args.model not in SHAPES:
-        plain, spec = checkpoint_engines(args.model, args.draft, args.kernels, args.batch,
-                                         args.block_size, args.device)
-        prompt_len, vocab = 128, plain.model.config.vocab_size
     else:
-        with_draft = args.model == "qwen3.5-4b"
-        model, draft = build(args.kernels, with_draft=with_draft, shape=args.model)
-        plain = engine_for(model, None, max_running=max(8, args.batch), graphs=True)
-        spec = engine_for(model, draft, block_size=args.block_size,
-                          max_running=max(8, args.batch), graphs=True) if with_draft else None
-        prompt_len, vocab = 512, None
+        if args.model in SHAPES:
+            model, draft = build(args.kernels, with_draft=args.model == "qwen3.5-4b",
+                                 shape=args.model)
+            prompt_len, vocab = 512, None
+        else:
+            model, draft = load_pair(args.model, args.draft, args.kernels, args.device)
+            prompt_len, vocab = 128, model.config.vocab_size
+        graphs, running = args.device.startswith("cuda"), max(8, args.batch)
+        plain = engine_for(model, None, max_running=running, graphs=graphs, device=args.device)
+        spec = None if draft is None else engine_for(
+            model, draft, block_size=args.block_size, max_running=running, graphs=graphs,
+            device=args.device)
     for engine in (plain, spec):
         if engine is not None:
             fill_batch(engine, args.batch, prompt_len, 400, vocab=vocab)

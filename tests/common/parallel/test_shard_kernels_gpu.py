@@ -1,5 +1,5 @@
 """On one GPU: a rank's shard of a Qwen3.5-35B-A3B-shaped model (4 layers, random bf16 weights)
-at TP 2, 4 and 8 runs through the GPU kernel set (FlashInfer, Triton, fla) with the head counts
+at TP 1, 2, 4 and 8 runs through the GPU kernel set (FlashInfer, Triton, fla) with the head counts
 a shard has (one replicated KV head, 2–8 GDN value heads over 1–8 key heads, 1/N of each expert)
 and gives the reference kernels' logits on the same shard. No other rank is there: a stand-in
 process group makes every collective a no-op, which is the same for both kernel sets.
