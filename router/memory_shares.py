@@ -3,7 +3,10 @@
 Each worker's ``--mem-fraction`` is a fraction of its own device's total memory
 (``common/cache/sizing.py``), so workers that share a device must add up to at most the whole.
 ``up`` gives the workers of one device equal shares of F: one prefill and one decode worker on
-``--device cuda`` get F/2 each, and on the CPU every worker shares the host's memory.
+``--device cuda`` get F/2 each, and on the CPU every worker shares the host's memory. A worker
+with ``--tp N`` is on each of its ranks' devices (``common.parallel.launch.rank_devices``), and
+its share is the one of its most crowded device: every rank of it takes the same fraction of
+its own device. On the CPU its N ranks together take the worker's share.
 """
 
 from __future__ import annotations
@@ -26,13 +29,30 @@ def device_key(device: str) -> str:
     return device
 
 
+def _last(args: Sequence[str], flag: str, default: str) -> str:
+    value = default
+    for name, given in zip(args, args[1:]):
+        if name == flag:
+            value = given
+    return value
+
+
 def device_of(args: Sequence[str]) -> str:
-    """The device a worker started with ``args`` runs on (its last ``--device``)."""
-    device = DEFAULT_DEVICE
-    for flag, value in zip(args, args[1:]):
-        if flag == "--device":
-            device = value
-    return device_key(device)
+    """The device a worker started with ``args`` runs on (its last ``--device``); rank 0's for
+    a worker with ``--tp``."""
+    return devices_of(args)[0]
+
+
+def devices_of(args: Sequence[str]) -> list[str]:
+    """The devices of a worker's ranks, one per rank of its last ``--tp`` (1 without), from
+    its last ``--device``."""
+    from common.parallel.launch import rank_devices
+
+    tp = int(_last(args, "--tp", "1"))
+    device = _last(args, "--device", DEFAULT_DEVICE).strip().lower()
+    if device.startswith("cpu"):
+        device = "cpu"
+    return [device_key(d) for d in rank_devices(device, tp)]
 
 
 def memory_shares(worker_args: Sequence[Sequence[str]], fraction: float) -> list[float]:
@@ -40,7 +60,8 @@ def memory_shares(worker_args: Sequence[Sequence[str]], fraction: float) -> list
     device. ValueError for a fraction outside (0, 1]."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"--mem-fraction must be in (0, 1], got {fraction}")
-    devices = [device_of(args) for args in worker_args]
-    per_device = Counter(devices)
+    devices = [set(devices_of(args)) for args in worker_args]
+    per_device = Counter(d for ds in devices for d in ds)
     # rounded down (to what a command line carries), so that the shares never add up to more
-    return [math.floor(fraction / per_device[d] * 1e6) / 1e6 for d in devices]
+    return [math.floor(fraction / max(per_device[d] for d in ds) * 1e6) / 1e6
+            for ds in devices]

@@ -67,8 +67,6 @@ class EngineSettings:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got "
                              f"{self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.pools is not None:
-            raise ValueError("pools sized by memory with tensor parallelism are not built yet")
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
     ShardingError when the model does not split over the group, FileNotFoundError for a model
     that is not there.
     """
-    from common.engine.pool_sizing import check_fit, size_engine_pools
+    from common.engine.pool_sizing import check_fit, profile_cache, size_engine_pools
     from common.handoff.layout import model_fingerprint
     from common.model.dflash import load_draft
     from common.model.load import eos_token_ids_for, load_model, weights_identity
@@ -120,8 +118,10 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
         # the split is checked here, once, before any rank starts to load
         ShardPlan.for_rank(load_config(settings.model), 0, world_size,
                            expert_parallel=settings.expert_parallel)
+        # pools to be sized: the followers start on small ones, and make the chosen ones after
+        follower_cache = config.cache if settings.pools is None else profile_cache(config)
         FollowerLink(tp).load(ShardSettings(settings.model, settings.dtype, settings.kernels,
-                                            config.cache, settings.expert_parallel))
+                                            follower_cache, settings.expert_parallel))
         log.info("tensor parallel over %d ranks%s", world_size,
                  ", routed experts placed whole (expert parallel)" if settings.expert_parallel
                  else "")
@@ -140,10 +140,16 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
     eos = eos_token_ids_for(settings.model, model.config)
     sizing = None
     if settings.pools is not None:
-        config, sizing = size_engine_pools(model, config, settings.pools, draft=draft,
-                                           block_size=settings.block_size, eos_token_ids=eos,
-                                           progress=settings.progress)
+        link = FollowerLink(tp) if world_size > 1 else None
+        config, sizing = size_engine_pools(
+            model, config, settings.pools, draft=draft, block_size=settings.block_size,
+            eos_token_ids=eos, progress=settings.progress,
+            held_bytes=sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                            for t in draft_vocab or ()}.values()),  # tied: one tensor
+            world_size=world_size, tightest_device=link.tightest_device if link else None)
         log.info("%s", sizing.describe())
+        if link is not None:
+            link.make_pools(config.cache)
         if sizing.over_budget_bytes:
             log.warning("the pools given exceed the --mem-fraction budget by %s",
                         format_bytes(sizing.over_budget_bytes))

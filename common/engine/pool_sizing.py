@@ -10,6 +10,13 @@ profile engine is then dropped and the real one built, so graphs are captured tw
 On the CPU nothing is profiled: the budget is a fraction of physical memory, and what the worker
 holds besides its pools is taken to be its weights (activations are not counted).
 
+With tensor parallelism rank 0 sizes for every rank: ranks hold equal shards, and rank 0 the
+most (the draft and its vocabulary live there only), so its measurements bound each rank's. Its
+followers take part through ``tightest_device``: they profile on small pools with it, report
+their device's free and total memory (the tightest device sets the figures), and then make
+pools of the size chosen. On the CPU the ranks share one host: each is given ``1/N`` of the
+budget and of the memory free once every rank has loaded.
+
 The arithmetic is ``common/cache/sizing.py``; the rule is in docs/operations.md.
 """
 
@@ -48,14 +55,28 @@ def min_pages(config: EngineConfig) -> int:
     return 2 + math.ceil((scheduler.max_prefill_tokens + 256) / cache.page_size)
 
 
+def profile_cache(config: EngineConfig) -> CacheConfig:
+    """The small pools a profile runs on (and a follower holds until rank 0 has sized)."""
+    return replace(config.cache, num_pages=min_pages(config), num_slots=_PROFILE_SLOTS)
+
+
 def size_engine_pools(model: HybridForCausalLM, config: EngineConfig, request: PoolRequest, *,
                       draft: DFlashDraftModel | None = None, block_size: int | None = None,
-                      eos_token_ids: tuple[int, ...] = (), progress: bool = True
+                      eos_token_ids: tuple[int, ...] = (), progress: bool = True,
+                      held_bytes: int = 0, world_size: int = 1,
+                      tightest_device: Callable[[int, int], tuple[int, int]] | None = None
                       ) -> tuple[EngineConfig, PoolSizing]:
     """``config`` with the pools ``request`` asks for, and how they were chosen.
 
+    ``held_bytes``: on the CPU, what the worker holds beside the model's and the draft's
+    tensors (rank 0's copy of the whole vocabulary for the draft; a CUDA profile measures it). ``world_size`` and ``tightest_device`` (rank
+    0 of a tensor-parallel group, the followers on :func:`profile_cache` pools):
+    ``(free, total) -> (free, total)``, the smallest over every rank's device.
+
     Raises SizingError (what to change) when ``request.mem_fraction`` cannot hold the pools.
     """
+    if world_size > 1 and tightest_device is None:
+        raise ValueError("sizing for a tensor-parallel group needs its ranks' memory")
     costs = pool_costs(model, draft, config.cache.page_size)
     device = torch.device(config.device)
     if request.mem_fraction is None:
@@ -64,9 +85,13 @@ def size_engine_pools(model: HybridForCausalLM, config: EngineConfig, request: P
         def build(cache: CacheConfig) -> LLMEngine:
             return LLMEngine(model, replace(config, cache=cache), eos_token_ids, draft=draft,
                              block_size=block_size)
-        sizing = _size_on_cuda(build, config, request, costs, progress)
+        sizing = _size_on_cuda(build, config, request, costs, progress, tightest_device)
     else:
-        sizing = size_pools(costs, host_figures([model, draft], str(device)), request)
+        figures = host_figures([model, draft], str(device))
+        figures = replace(figures, fixed_bytes=figures.fixed_bytes + held_bytes)
+        if world_size > 1:
+            figures = host_share(figures, world_size, tightest_device)
+        sizing = size_pools(costs, figures, request)
     cache = replace(config.cache, num_pages=sizing.num_pages, num_slots=sizing.num_slots)
     return replace(config, cache=cache), sizing
 
@@ -95,6 +120,16 @@ def host_figures(modules: list[torch.nn.Module | None], device: str) -> MemoryFi
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return MemoryFigures(device=device, total_bytes=total, free_bytes=_available_host_bytes(),
                          fixed_bytes=sum(tensor_bytes(m) for m in modules if m is not None))
+
+
+def host_share(figures: MemoryFigures, world_size: int,
+               tightest_device: Callable[[int, int], tuple[int, int]]) -> MemoryFigures:
+    """One rank's share of a host whose ``world_size`` ranks hold alike: ``1/N`` of its memory
+    and of what is free once every rank has loaded (``tightest_device`` waits for them)."""
+    free, total = tightest_device(figures.free_bytes or figures.total_bytes,
+                                  figures.total_bytes)
+    return replace(figures, device=f"{figures.device} (1/{world_size} of the host per rank)",
+                   total_bytes=total // world_size, free_bytes=free // world_size)
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:
@@ -135,11 +170,13 @@ def profile_prefill(engine: LLMEngine) -> None:
 
 
 def _size_on_cuda(build: Callable[[CacheConfig], LLMEngine], config: EngineConfig,
-                  request: PoolRequest, analytic: PoolCosts, progress: bool) -> PoolSizing:
+                  request: PoolRequest, analytic: PoolCosts, progress: bool,
+                  tightest_device: Callable[[int, int], tuple[int, int]] | None = None
+                  ) -> PoolSizing:
     device = torch.device(config.device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    small = replace(config.cache, num_pages=min_pages(config), num_slots=_PROFILE_SLOTS)
+    small = profile_cache(config)
     log.info("sizing the pools for --mem-fraction %g: profiling an engine with %d pages and "
              "%d slots", request.mem_fraction, small.num_pages, small.num_slots)
     costs = _measured_costs(build, small, analytic, device)
@@ -154,6 +191,8 @@ def _size_on_cuda(build: Callable[[CacheConfig], LLMEngine], config: EngineConfi
     _release(device)
     fixed = peak - small.num_pages * costs.page_bytes - small.num_slots * costs.slot_bytes
     free, total = torch.cuda.mem_get_info(device)
+    if tightest_device is not None:
+        free, total = tightest_device(free, total)
     # the real engine takes its graphs and activations from the same free memory as its pools
     still_to_take = max(0, fixed - torch.cuda.memory_reserved(device))
     figures = MemoryFigures(device=str(device), total_bytes=total,

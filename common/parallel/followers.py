@@ -4,6 +4,10 @@ Rank 0 owns the whole engine (scheduler, pools' bookkeeping, sampling). The foll
 their shard of the model and of the pools, and do what rank 0 broadcasts, in order:
 
 - :class:`LoadModel`: build this rank's shard of a model and its pools;
+- :class:`MakePools`: make this rank's pools again, at the sizes rank 0 chose for its own (pools
+  sized by ``--mem-fraction``: rank 0 profiles with the followers on small pools first);
+- :class:`ReportMemory`: join rank 0 in finding the free and total memory of the tightest
+  rank's device (:meth:`TensorParallelGroup.min_over_ranks`);
 - :class:`RunForward`: one forward over a batch described by ``ForwardBatch.build``'s
   arguments (token ids, prefix lengths, page ids, state slots), so each follower builds the same
   indices rank 0 built and runs the same layers, meeting rank 0 in every collective;
@@ -63,6 +67,16 @@ class LoadModel:
 
 
 @dataclass(frozen=True)
+class MakePools:
+    cache: CacheConfig
+
+
+@dataclass(frozen=True)
+class ReportMemory:
+    pass
+
+
+@dataclass(frozen=True)
 class RunForward:
     batch_args: dict  # keyword arguments of ForwardBatch.build, less the device
 
@@ -89,6 +103,26 @@ class Stop:
     pass
 
 
+def release_device_cache(device: str) -> None:
+    """Give memory the allocator holds but no tensor uses back to a CUDA device."""
+    if torch.device(device).type == "cuda":
+        with torch.cuda.device(torch.device(device)):
+            torch.cuda.empty_cache()
+
+
+def device_memory(device: str) -> tuple[int, int]:
+    """(free, total) bytes of this rank's CUDA device, after giving back what its allocator
+    caches; on the CPU, the host's available and physical memory."""
+    from common.engine.pool_sizing import host_figures
+
+    if torch.device(device).type == "cuda":
+        release_device_cache(device)
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), int(total)
+    figures = host_figures([], device)
+    return figures.free_bytes or figures.total_bytes, figures.total_bytes
+
+
 class FollowerLink:
     """Rank 0's side: broadcasts each message to the followers (a no-op at world size 1)."""
 
@@ -99,6 +133,17 @@ class FollowerLink:
 
     def load(self, settings: ShardSettings) -> None:
         self.tp.broadcast_object(LoadModel(settings))
+
+    def make_pools(self, cache: CacheConfig) -> None:
+        """Every follower drops its pools and makes them at ``cache``'s sizes (rank 0's)."""
+        self.tp.broadcast_object(MakePools(cache))
+
+    def tightest_device(self, free_bytes: int, total_bytes: int) -> tuple[int, int]:
+        """The smallest free and the smallest total memory of any rank's device, this one's
+        (``free_bytes``, ``total_bytes``) included."""
+        self.tp.broadcast_object(ReportMemory())
+        free, total = self.tp.min_over_ranks((free_bytes, total_bytes))
+        return free, total
 
     def forward(self, batch_args: dict) -> None:
         self.tp.broadcast_object(RunForward(batch_args))
@@ -202,6 +247,10 @@ class Follower:
                 return
             if isinstance(message, LoadModel):
                 self.load(message.settings)
+            elif isinstance(message, MakePools):
+                self.make_pools(message.cache)
+            elif isinstance(message, ReportMemory):
+                self.tp.min_over_ranks(device_memory(self.device))
             elif isinstance(message, RunForward):
                 self.forward(message.batch_args)
             elif isinstance(message, CommitVerified):
@@ -227,6 +276,13 @@ class Follower:
                                 kernels=select_kernel_set(settings.kernels, self.device),
                                 tp=self.tp, expert_parallel=settings.expert_parallel)
         self.kv_pool, self.state_pool = make_pools(self.model, settings.cache, self.device)
+
+    def make_pools(self, cache: CacheConfig) -> None:
+        if self.model is None:
+            raise RuntimeError("pools before any model was loaded")
+        self.kv_pool = self.state_pool = self.last_batch = None  # the old pools go first
+        release_device_cache(self.device)
+        self.kv_pool, self.state_pool = make_pools(self.model, cache, self.device)
 
     def forward(self, batch_args: dict) -> None:
         if self.model is None:

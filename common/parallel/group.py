@@ -79,6 +79,17 @@ class TensorParallelGroup:
         return torch.cat(parts, dim=-1)
 
     # host messages
+    def min_over_ranks(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        """Each position's smallest value over the ranks (every rank passes its own and gets
+        the same answer): how rank 0 learns, e.g., the free memory of the tightest device."""
+        if self.world_size == 1:
+            return tuple(values)
+        t = torch.tensor(values, dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.cpu_group.allreduce([t], options).wait()
+        return tuple(int(v) for v in t.tolist())
+
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0's ``obj`` on every rank (pickled; two broadcasts: the length, then the bytes).
         Followers pass nothing and get rank 0's object."""

@@ -5,9 +5,9 @@ address.
 
 What the flags may not combine is refused here, before any process starts or any port is bound
 (exit 2 through ``run_worker``), with the message that says what must change: a size that does
-not divide the model's heads (``ShardingError``), or pools sized by memory, which are not built
-with tensor parallelism. The ``device`` handoff transport (the peer copies straight out of the
-sender's pools) is not offered by a sharded worker: each rank's pools hold only its heads, so
+not divide the model's heads (``ShardingError``). Pools sized by ``--mem-fraction`` are sized
+by rank 0 for every rank (``common/engine/pool_sizing.py``). The ``device`` handoff transport
+(the peer copies straight out of the sender's pools) is not offered by a sharded worker: each rank's pools hold only its heads, so
 its handoffs go as bytes of the full state (over TCP or in the gRPC stream) through rank 0
 (``common/parallel/prompt_state.py``).
 """
@@ -52,9 +52,6 @@ def check_tp_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--tp must be at least 1, got {args.tp}")
     if args.tp == 1:
         return
-    if args.mem_fraction is not None:
-        raise ValueError("--mem-fraction with --tp is not built yet: give --num-pages and "
-                         "--num-slots")
     from common.model.load import load_config
     from common.parallel.shard_plan import ShardPlan
 
@@ -72,11 +69,10 @@ def worker_group(args: argparse.Namespace,
 
 def settings_for_group(settings: EngineSettings, group: LocalGroup) -> EngineSettings:
     """``settings`` for rank 0 of ``group``: its size, and rank 0's own device (``cuda``
-    means ``cuda:0`` then). Pools sized by memory are not built with tensor parallelism, so
-    a group's pools are the fixed ``--num-pages`` and ``--num-slots``."""
+    means ``cuda:0`` then)."""
     if group.world_size == 1:
         return settings
-    return dataclasses.replace(settings, tensor_parallel_size=group.world_size, pools=None,
+    return dataclasses.replace(settings, tensor_parallel_size=group.world_size,
                                engine=dataclasses.replace(settings.engine,
                                                           device=group.device))
 

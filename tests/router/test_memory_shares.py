@@ -42,3 +42,15 @@ def test_shares_never_add_up_to_more_than_the_fraction():
 def test_fractions_outside_zero_to_one_are_refused(fraction):
     with pytest.raises(ValueError, match="--mem-fraction"):
         memory_shares([worker()], fraction)
+
+
+def test_a_tp_worker_counts_on_every_device_of_its_ranks():
+    # prefill on cuda:0-1 (--tp 2), decode on cuda:1 alone: cuda:1 holds two workers
+    workers = [worker("--tp", "2", "--device", "cuda"), worker("--device", "cuda:1"),
+               worker("--device", "cuda:2,cuda:3", "--tp", "2")]
+    assert memory_shares(workers, 0.8) == [0.4, 0.4, 0.8]
+
+
+def test_a_tp_worker_on_the_cpu_is_one_worker_of_the_host():
+    workers = [worker("--tp", "2"), worker("--tp", "4", "--device", "cpu")]
+    assert memory_shares(workers, 0.5) == [0.25, 0.25]

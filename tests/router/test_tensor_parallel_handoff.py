@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -117,10 +118,15 @@ def test_a_tp_that_does_not_divide_the_heads_exits_2(module):
     assert "4 heads cannot be split over 3 ranks" in proc.stderr
 
 
-def test_pools_sized_by_memory_with_tp_exit_2():
-    proc = start_worker("decode_service", "--tp", "2", "--mem-fraction", "0.5")
-    assert proc.returncode == 2
-    assert "--mem-fraction with --tp is not built yet" in proc.stderr
+def test_pools_sized_by_memory_with_tp_give_tp1_tokens(expected):
+    # 64 MiB of the host for the cluster: each worker 32 MiB, each of its ranks 16 MiB
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    config = ClusterConfig(model="tiny", worker_args=CHUNKED, prefill_tp=2, decode_tp=2,
+                           mem_fraction=(64 << 20) / host)
+    outs, logs = run_cluster(config)
+    assert [o.token_ids for o in outs] == expected
+    for kind in ("prefill", "decode"):
+        assert "1/2 of the host per rank" in logs[kind], logs[kind]
 
 
 def test_up_passes_each_kind_its_tp():

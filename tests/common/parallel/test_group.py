@@ -16,6 +16,7 @@ def test_world_size_one_collectives_return_their_input():
     assert tp.all_gather_last_dim(x) is x
     message = {"a": 1}
     assert tp.broadcast_object(message) is message
+    assert tp.min_over_ranks((5, 7)) == (5, 7)
     assert connect(0, 1) == tp
 
 
