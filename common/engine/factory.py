@@ -100,7 +100,8 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
     ShardingError when the model does not split over the group, FileNotFoundError for a model
     that is not there.
     """
-    from common.engine.pool_sizing import check_fit, profile_cache, size_engine_pools
+    from common.engine.pool_sizing import (check_fit, profile_cache, size_engine_pools,
+                                           storage_bytes)
     from common.handoff.layout import model_fingerprint
     from common.model.dflash import load_draft
     from common.model.load import eos_token_ids_for, load_model, weights_identity
@@ -144,8 +145,7 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
         config, sizing = size_engine_pools(
             model, config, settings.pools, draft=draft, block_size=settings.block_size,
             eos_token_ids=eos, progress=settings.progress,
-            held_bytes=sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                            for t in draft_vocab or ()}.values()),  # tied: one tensor
+            held_bytes=storage_bytes(draft_vocab or ()),
             world_size=world_size, tightest_device=link.tightest_device if link else None)
         log.info("%s", sizing.describe())
         if link is not None:

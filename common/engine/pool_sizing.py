@@ -69,9 +69,10 @@ def size_engine_pools(model: HybridForCausalLM, config: EngineConfig, request: P
     """``config`` with the pools ``request`` asks for, and how they were chosen.
 
     ``held_bytes``: on the CPU, what the worker holds beside the model's and the draft's
-    tensors (rank 0's copy of the whole vocabulary for the draft; a CUDA profile measures it). ``world_size`` and ``tightest_device`` (rank
-    0 of a tensor-parallel group, the followers on :func:`profile_cache` pools):
-    ``(free, total) -> (free, total)``, the smallest over every rank's device.
+    tensors (rank 0's copy of the whole vocabulary for the draft; a CUDA profile measures it).
+    ``world_size`` and ``tightest_device`` (rank 0 of a tensor-parallel group, the followers
+    on :func:`profile_cache` pools): ``(free, total) -> (free, total)``, the smallest over
+    every rank's device.
 
     Raises SizingError (what to change) when ``request.mem_fraction`` cannot hold the pools.
     """
@@ -134,8 +135,13 @@ def host_share(figures: MemoryFigures, world_size: int,
 
 def tensor_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's parameters and buffers (a tensor shared by two names counted once)."""
+    return storage_bytes([*module.parameters(), *module.buffers()])
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages under ``tensors``, each counted once (tied weights, views)."""
     seen, total = set(), 0
-    for t in [*module.parameters(), *module.buffers()]:
+    for t in tensors:
         key = (t.untyped_storage().data_ptr(), t.device)
         if key not in seen:
             seen.add(key)
@@ -180,7 +186,7 @@ def _size_on_cuda(build: Callable[[CacheConfig], LLMEngine], config: EngineConfi
     log.info("sizing the pools for --mem-fraction %g: profiling an engine with %d pages and "
              "%d slots", request.mem_fraction, small.num_pages, small.num_slots)
     costs = _measured_costs(build, small, analytic, device)
-    _release(device)
+    release_device(device)
     torch.cuda.reset_peak_memory_stats(device)
     engine = build(small)
     engine.warmup(progress=progress)
@@ -188,7 +194,7 @@ def _size_on_cuda(build: Callable[[CacheConfig], LLMEngine], config: EngineConfi
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device)
     del engine
-    _release(device)
+    release_device(device)
     fixed = peak - small.num_pages * costs.page_bytes - small.num_slots * costs.slot_bytes
     free, total = torch.cuda.mem_get_info(device)
     if tightest_device is not None:
@@ -218,7 +224,7 @@ def _measured_costs(build: Callable[[CacheConfig], LLMEngine], small: CacheConfi
 
 def _construction_bytes(build: Callable[[CacheConfig], LLMEngine], cache: CacheConfig,
                         device: torch.device) -> int:
-    _release(device)
+    release_device(device)
     before = torch.cuda.memory_allocated(device)
     engine = build(cache)
     torch.cuda.synchronize(device)
@@ -227,8 +233,9 @@ def _construction_bytes(build: Callable[[CacheConfig], LLMEngine], cache: CacheC
     return used
 
 
-def _release(device: torch.device) -> None:
-    """Free what dropped engines held (graphs' pools included) back to the device."""
+def release_device(device: torch.device) -> None:
+    """Free what dropped engines or pools held (graphs' pools included) back to a CUDA
+    device."""
     gc.collect()  # an engine's graph runners and speculator refer to each other
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()

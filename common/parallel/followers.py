@@ -103,20 +103,13 @@ class Stop:
     pass
 
 
-def release_device_cache(device: str) -> None:
-    """Give memory the allocator holds but no tensor uses back to a CUDA device."""
-    if torch.device(device).type == "cuda":
-        with torch.cuda.device(torch.device(device)):
-            torch.cuda.empty_cache()
-
-
 def device_memory(device: str) -> tuple[int, int]:
     """(free, total) bytes of this rank's CUDA device, after giving back what its allocator
     caches; on the CPU, the host's available and physical memory."""
-    from common.engine.pool_sizing import host_figures
+    from common.engine.pool_sizing import host_figures, release_device
 
     if torch.device(device).type == "cuda":
-        release_device_cache(device)
+        release_device(torch.device(device))
         free, total = torch.cuda.mem_get_info(torch.device(device))
         return int(free), int(total)
     figures = host_figures([], device)
@@ -281,7 +274,10 @@ class Follower:
         if self.model is None:
             raise RuntimeError("pools before any model was loaded")
         self.kv_pool = self.state_pool = self.last_batch = None  # the old pools go first
-        release_device_cache(self.device)
+        if torch.device(self.device).type == "cuda":
+            from common.engine.pool_sizing import release_device
+
+            release_device(torch.device(self.device))
         self.kv_pool, self.state_pool = make_pools(self.model, cache, self.device)
 
     def forward(self, batch_args: dict) -> None:

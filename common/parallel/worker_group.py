@@ -7,9 +7,9 @@ What the flags may not combine is refused here, before any process starts or any
 (exit 2 through ``run_worker``), with the message that says what must change: a size that does
 not divide the model's heads (``ShardingError``). Pools sized by ``--mem-fraction`` are sized
 by rank 0 for every rank (``common/engine/pool_sizing.py``). The ``device`` handoff transport
-(the peer copies straight out of the sender's pools) is not offered by a sharded worker: each rank's pools hold only its heads, so
-its handoffs go as bytes of the full state (over TCP or in the gRPC stream) through rank 0
-(``common/parallel/prompt_state.py``).
+(the peer copies straight out of the sender's pools) is not offered by a sharded worker: each
+rank's pools hold only its heads, so its handoffs go as bytes of the full state (over TCP or
+in the gRPC stream) through rank 0 (``common/parallel/prompt_state.py``).
 """
 
 from __future__ import annotations
