@@ -10,7 +10,12 @@ Both sides run in this one run, on the same device, so the ratio is what disaggr
   H200 timed 6.9 s in process without one, against 1.3 s in run D with one prompt per chunk:
   a first use of the batch shape is the suspected cost);
 - each ``--transports`` value (``--handoff-transport`` of both workers) in a cluster of its own;
-  the first token through the split is checked against the in-process one.
+  the first token through the split is checked against the in-process one. The router streams
+  the first token from the prefill worker as soon as it is sampled; an entry ending in ``/late``
+  (``auto/late``, ``tcp:2/late``) runs a router that streams it from decode once the handoff is
+  acknowledged, the baseline of that change. The client's time to the second token, which
+  holds the handoff's tail when the first came early, is printed too. ``--concurrent 0`` leaves
+  out the concurrent case.
 
 On a GPU the checkpoint is a Qwen3.5-4B-shaped model with random weights, written once to
 ``--workdir``; ``--model`` takes any checkpoint directory (or ``tiny`` on the CPU).
@@ -41,6 +46,7 @@ from router.cluster import Cluster, ClusterConfig
 from router.remote import generate, request_to_pb
 
 PAGE_SIZE = 16
+LATE = "/late"  # a --transports entry's suffix: the first token from decode (router_args)
 # the decode worker's histogram of requests per engine step (its count: the steps)
 DECODE_STEPS = "flashsplit_decode_step_requests"
 
@@ -106,23 +112,8 @@ def in_process(args, lengths: list[int]) -> dict:
         out.setdefault("first_request_s", times[0])
         out["first_tokens"][n] = req.output_ids[0]
         progress(f"in process, {n} tokens: TTFT {out[n] * 1e3:.1f} ms")
-    prompts = [prompt_of(args.concurrent_len, 100 + i, vocab) for i in range(args.concurrent)]
-    many = SamplingParams(temperature=0.0, max_new_tokens=args.concurrent_new, ignore_eos=True)
-    # a warm-up of this batch shape (kernels that compile per shape), not measured
-    engine.generate([prompt_of(args.concurrent_len, 200 + i, vocab)
-                     for i in range(args.concurrent)], many)
-    sync(args.device)
-    start = time.perf_counter()
-    for prompt in prompts:  # generate(), counting the steps that gave tokens
-        engine.add_request(prompt, many)
-    steps = 0
-    while engine.scheduler.num_requests:
-        steps += bool(engine.step())
-    sync(args.device)
-    out["concurrent_s"] = time.perf_counter() - start
-    out["concurrent_steps"] = steps
-    progress(f"in process, {args.concurrent} concurrent: {out['concurrent_s'] * 1e3:.1f} ms, "
-             f"{steps} steps")
+    if args.concurrent:
+        concurrent_in_process(engine, args, vocab, out)
     del engine, model
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -131,13 +122,21 @@ def in_process(args, lengths: list[int]) -> dict:
 
 def transport_args(spec: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(both workers' flags, the prefill worker's) of one ``--transports`` entry: a
-    transport, or ``tcp:N`` for ``tcp`` with N connections per handoff."""
-    name, _, connections = spec.partition(":")
+    transport, or ``tcp:N`` for ``tcp`` with N connections per handoff; either may end in
+    ``/late`` (the router's flags: ``router_args``)."""
+    name, _, connections = spec.removesuffix(LATE).partition(":")
     if not connections:
         return ("--handoff-transport", name), ()
     if name != "tcp" or not connections.isdigit():
         raise ValueError(f"{spec!r}: only tcp takes a connection count (tcp:N)")
     return ("--handoff-transport", name), ("--handoff-tcp-connections", connections)
+
+
+def router_args(spec: str) -> tuple[str, ...]:
+    """The router's flags of one ``--transports`` entry: ``/late`` at its end streams the first
+    token from decode once the handoff is acknowledged (the router's default streams it from
+    the prefill worker as soon as it is sampled)."""
+    return ("--first-token-after-handoff",) if spec.endswith(LATE) else ()
 
 
 def disaggregated(args, lengths: list[int], vocab: int, transport: str) -> dict:
@@ -146,8 +145,8 @@ def disaggregated(args, lengths: list[int], vocab: int, transport: str) -> dict:
                    "--num-pages", str(args.num_pages), "--num-slots", str(args.concurrent + 2),
                    "--max-prefill-tokens", str(args.max_prefill_tokens), *both)
     config = ClusterConfig(model=args.model, worker_args=worker_args, prefill_args=prefill_only,
-                           start_timeout_s=900, metrics=True)
-    out: dict = {"timings": {}, "first_tokens": {}}
+                           router_args=router_args(transport), start_timeout_s=900, metrics=True)
+    out: dict = {"timings": {}, "first_tokens": {}, "second_token_s": {}}
     with Cluster(config) as cluster:
         phases = PhaseScraper([w.metrics_url for w in cluster.workers if w.metrics_url])
         progress(f"split with --handoff-transport {transport}: cluster up")
@@ -160,27 +159,32 @@ async def _measure_split(address: str, args, lengths: list[int], vocab: int,
     """The split's cases, on one channel to the router (as a serving client keeps one)."""
     one = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
     async with make_channel(address) as channel:
-        async def ttft(prompt, params):
+        async def ttft(prompt, params, seconds: list | None = None):
+            """The client's time to the first token (to the second into ``seconds``)."""
             start = time.perf_counter()
-            first = None
+            arrivals = []
 
-            def seen(_tokens):
-                nonlocal first
-                first = first or time.perf_counter()
+            def seen(tokens):
+                arrivals.extend(time.perf_counter() for _ in tokens)
 
             done = await generate(address, request_to_pb(token_ids=prompt, params=params),
                                   timeout_s=600, on_tokens=seen, channel=channel)
-            return (first or time.perf_counter()) - start, done
+            end = time.perf_counter()
+            if seconds is not None:
+                seconds.append((arrivals[1] if len(arrivals) > 1 else end) - start)
+            return (arrivals[0] if arrivals else end) - start, done
 
         for n in lengths:
-            times, last = [], None
+            times, seconds, last = [], [], None
             cold, _ = await ttft(prompt_of(n, 0, vocab), one)  # warm-up, not in the median
             out.setdefault("first_request_s", cold)  # the cluster's first request
             phases.start()
             for r in range(1, args.repeats + 1):
-                t, last = await ttft(prompt_of(n, r, vocab), one)
+                t, last = await ttft(prompt_of(n, r, vocab), one, seconds)
                 times.append(t)
             out[n] = statistics.median(times)
+            # the handoff's tail is in this one when the first token came early
+            out["second_token_s"][n] = statistics.median(seconds)
             out["timings"][n] = {"client_ttft_s": times,
                                  "router_ttft_s": last.time_to_first_token_s,
                                  # from the Prefill call's arrival: the handoff's opening too
@@ -200,6 +204,8 @@ async def _measure_split(address: str, args, lengths: list[int], vocab: int,
             results = await asyncio.gather(*[ttft(p, many) for p in prompts])
             return time.perf_counter() - start, [t for t, _ in results]
 
+        if not args.concurrent:
+            return
         await concurrent(200)  # warm-up of this batch shape, not measured
         before = read_histograms(phases.urls)
         out["concurrent_s"], ttfts = await concurrent(100)
@@ -212,6 +218,27 @@ async def _measure_split(address: str, args, lengths: list[int], vocab: int,
         out["concurrent_mean_decode_batch"] = served / steps if steps else None
         progress(f"split, {args.concurrent} concurrent: {out['concurrent_s'] * 1e3:.1f} ms, "
                  f"{steps:.0f} decode steps")
+
+
+def concurrent_in_process(engine, args, vocab: int, out: dict) -> None:
+    """``args.concurrent`` prompts at once in ``engine``: wall time and steps into ``out``."""
+    prompts = [prompt_of(args.concurrent_len, 100 + i, vocab) for i in range(args.concurrent)]
+    many = SamplingParams(temperature=0.0, max_new_tokens=args.concurrent_new, ignore_eos=True)
+    # a warm-up of this batch shape (kernels that compile per shape), not measured
+    engine.generate([prompt_of(args.concurrent_len, 200 + i, vocab)
+                     for i in range(args.concurrent)], many)
+    sync(args.device)
+    start = time.perf_counter()
+    for prompt in prompts:  # generate(), counting the steps that gave tokens
+        engine.add_request(prompt, many)
+    steps = 0
+    while engine.scheduler.num_requests:
+        steps += bool(engine.step())
+    sync(args.device)
+    out["concurrent_s"] = time.perf_counter() - start
+    out["concurrent_steps"] = steps
+    progress(f"in process, {args.concurrent} concurrent: {out['concurrent_s'] * 1e3:.1f} ms, "
+             f"{steps} steps")
 
 
 def progress(line: str) -> None:
@@ -252,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     transports = [t for t in args.transports.split(",") if t]
     split = {t: disaggregated(args, lengths, vocab, t) for t in transports}
     rows = [(f"TTFT {n} tokens", n) for n in lengths]
-    rows.append((f"{args.concurrent} x {args.concurrent_len} (+{args.concurrent_new}) wall",
-                 "concurrent_s"))
+    if args.concurrent:
+        rows.append((f"{args.concurrent} x {args.concurrent_len} (+{args.concurrent_new}) wall",
+                     "concurrent_s"))
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda")
               else "cpu", "model": args.model,
               "in_process": {str(k): v for k, v in local.items()},
@@ -278,11 +306,19 @@ def main(argv: list[str] | None = None) -> int:
             cells = "".join(f" {'-' if timing[c] is None else f'{timing[c] * 1e3:.1f}':>17}"
                             for c in columns)
             print(f"{t + ' ' + str(n):<22} {split[t][n] * 1e3:>11.1f}{cells}")
+    print("\nclient's time to the second token (ms; the handoff's tail is in it when the first "
+          "token came from prefill)")
+    for t in transports:
+        print(f"{t:<22} " + "  ".join(f"{n}: {split[t]['second_token_s'][n] * 1e3:.1f}"
+                                      for n in lengths))
     firsts = ", ".join(f"{t} {split[t]['first_request_s'] * 1e3:.1f} ms" for t in transports)
     print(f"first request after start ({lengths[0]} tokens): in process "
           f"{local['first_request_s'] * 1e3:.1f} ms, {firsts}")
     for t in transports:
         same = split[t]["first_tokens"] == local["first_tokens"]
+        if not args.concurrent:
+            print(f"{t}: first tokens equal in process: {same}")
+            continue
         print(f"{t}: first tokens equal in process: {same}; median TTFT of the "
               f"{args.concurrent} concurrent: {split[t]['concurrent_median_ttft_s'] * 1e3:.1f} ms"
               f"; their decode steps: {split[t]['concurrent_decode_steps']:.0f} "

@@ -25,7 +25,9 @@ from common.pb.flashsplit.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
 from common.handoff.layout import dtype_name
 from common.handoff.manifest import REQUIRED_FIELDS, FieldSpec
 from common.handoff.parts import HeaderPart
-from prefill_service.engine import FirstToken, PrefillAborted, PrefillEngine, PrefillJob
+from common.logprobs import TokenLogprobs
+from prefill_service.engine import (FirstToken, PrefillAborted, PrefillEngine, PrefillJob,
+                                    StateReady)
 from prefill_service.handoff_sender import HandoffSender, HandoffTransportError
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.metrics = engine.metrics
 
     @answered_status(lambda self, status: self.metrics.answered(status))
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> None:
+        """Writes the first token as soon as it is sampled (when the request goes on), then
+        the outcome once decode has acknowledged the handoff."""
+        response = await self._run(request, context)
+        await context.write(prefill_pb2.PrefillUpdate(done=response))
+
+    async def _run(self, request: prefill_pb2.PrefillRequest, context
+                   ) -> prefill_pb2.PrefillResponse:
         start = time.perf_counter()
         job = await self._validate(request, context)
         bind_request_id(job.spec.request_id)
@@ -61,6 +70,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """Open the handoff (decode reserves room), then prefill while streaming the state."""
         handoff = self.sender.stream(decode_address, self._header(job))
         submitted = pump = None
+        early: list[asyncio.Task] = []  # the first token's write, once it is sampled
         try:
             try:
                 await handoff.open()
@@ -78,8 +88,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 job = dataclasses.replace(job, rank_streams=handoff.rank_plan)
             loop = asyncio.get_running_loop()
             ready_parts: asyncio.Queue = asyncio.Queue()
+
+            def deliver(ready: StateReady) -> None:
+                if ready.final and stop_reason(ready.first_token, 1, job.spec.sampling,
+                                               self.eos_token_ids) is None:
+                    # the router streams this token to its client while the last layers'
+                    # state is still on its way; written before the pump wakes for that state
+                    early.append(asyncio.ensure_future(context.write(prefill_pb2.PrefillUpdate(
+                        first_token=_first_token_pb(ready.first_token,
+                                                    ready.first_logprobs)))))
+                ready_parts.put_nowait(ready)
+
             submitted = asyncio.wrap_future(self.engine.submit(
-                job, lambda ready: loop.call_soon_threadsafe(ready_parts.put_nowait, ready)))
+                job, lambda ready: loop.call_soon_threadsafe(deliver, ready)))
             pump = asyncio.create_task(handoff.run(ready_parts))
             await asyncio.wait({submitted, pump}, return_when=asyncio.FIRST_COMPLETED)
             if pump.done() and pump.exception() is not None:
@@ -104,6 +125,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     prompt_len=job.spec.prompt_len,
                     timings=prefill_pb2.PrefillTimings(**timings),
                     finish_reason=convert.finish_reason_to_pb(finished)), first)
+            await asyncio.gather(*early)  # the early token is out before the outcome
             try:
                 await pump
             except Exception as exc:  # decode's status, or the stream broke on our side
@@ -120,6 +142,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 timings=prefill_pb2.PrefillTimings(
                     **timings, handoff_s=handoff_s)), first)
         finally:
+            for write in early:
+                write.cancel()  # a no-op once written
             if pump is not None and not pump.done():
                 pump.cancel()
             handoff.cancel()  # a no-op once the call ended; else decode frees its room
@@ -202,6 +226,13 @@ def _with_logprobs(response: prefill_pb2.PrefillResponse,
     if first.logprobs is not None:
         response.first_token_logprobs.CopyFrom(convert.logprobs_to_pb(first.logprobs))
     return response
+
+
+def _first_token_pb(token_id: int, logprobs: TokenLogprobs | None) -> prefill_pb2.FirstToken:
+    msg = prefill_pb2.FirstToken(token_id=token_id)
+    if logprobs is not None:
+        msg.logprobs.CopyFrom(convert.logprobs_to_pb(logprobs))
+    return msg
 
 
 def _path(handoff) -> str:

@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=DispatchConfig.max_queued,
                    help="requests that may wait for room at once; beyond it they are refused "
                         "with RESOURCE_EXHAUSTED (default: %(default)s)")
+    p.add_argument("--first-token-after-handoff", action="store_true",
+                   help="stream each request's first token from the decode worker once the "
+                        "handoff is acknowledged, instead of from the prefill worker as soon "
+                        "as it is sampled (the default)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="on SIGTERM, seconds running requests get to finish before they end "
                         "with finish reason ABORT")
@@ -111,7 +115,8 @@ def config_from_args(args: argparse.Namespace,
         discovery=DiscoveryConfig(interval_s=args.discovery_interval),
         clients=ClientConfig(), dispatch=DispatchConfig(
             max_attempts=args.max_attempts, max_queue_wait_s=args.max_queue_wait,
-            max_queued=args.max_queued),
+            max_queued=args.max_queued,
+            first_token_from_prefill=not args.first_token_after_handoff),
         grace_s=args.grace, internal=security.internal_channel(),
         public=security.public_server(api_key_from(args, environ),
                                       client_cert=not args.public_no_client_cert),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -79,6 +80,14 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class EarlyToken:
+    """The first token as the prefill worker sampled it, before its handoff was acknowledged."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
 class TokenBatch:
     """One decode stream event: new tokens, and the finish reason on the last one; one
     ``logprobs`` entry per token when the request asks for them."""
@@ -88,6 +97,16 @@ class TokenBatch:
     finish_reason: str | None = None
     error: str = ""
     logprobs: tuple[TokenLogprobs, ...] = ()
+
+
+def _logprobs(msg, field: str, address: str) -> TokenLogprobs | None:
+    """``msg.field`` as log-probabilities, None when unset; a malformed one is the worker's
+    error (INTERNAL)."""
+    try:
+        return logprobs_from_pb(getattr(msg, field)) if msg.HasField(field) else None
+    except ValueError as exc:
+        raise WorkerCallError(address, "Prefill.Prefill", grpc.StatusCode.INTERNAL,
+                              str(exc)) from None
 
 
 def _finish_reason(value: int) -> str | None:
@@ -193,29 +212,40 @@ class WorkerClients:
                                   f"health is {name}")
         return load_report_from_pb(load)
 
-    async def prefill(self, address: str, call: PrefillCall,
-                      deadline_s: float | None = None) -> PrefillResult:
-        """Run a prompt; returns once decode acknowledged the handoff (or the request ended)."""
+    async def prefill(self, address: str, call: PrefillCall, deadline_s: float | None = None,
+                      on_first_token: Callable[[EarlyToken], None] = lambda token: None
+                      ) -> PrefillResult:
+        """Run a prompt; returns once decode acknowledged the handoff (or the request ended).
+
+        ``on_first_token`` gets the first token as soon as the worker has sampled it, before the
+        handoff is acknowledged, when the request goes on past it."""
         stub = prefill_pb2_grpc.PrefillStub(self._channel(address))
         req = prefill_pb2.PrefillRequest(handoff_id=call.handoff_id,
                                          decode_address=call.decode_address,
                                          **request_spec_to_pb(call.spec))
+        updates = stub.Prefill(req, timeout=self._timeout(self.config.prefill_timeout_s,
+                                                          deadline_s))
+        resp = None
         try:
-            resp = await stub.Prefill(
-                req, timeout=self._timeout(self.config.prefill_timeout_s, deadline_s))
+            async for update in updates:
+                if update.HasField("first_token"):
+                    on_first_token(EarlyToken(
+                        update.first_token.token_id,
+                        _logprobs(update.first_token, "logprobs", address)))
+                elif update.HasField("done"):
+                    resp = update.done
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, address, "Prefill.Prefill") from None
-        t = resp.timings
-        try:
-            first_logprobs = (logprobs_from_pb(resp.first_token_logprobs)
-                              if resp.HasField("first_token_logprobs") else None)
-        except ValueError as exc:
+        finally:
+            updates.cancel()  # a no-op once the call ended; else the worker stops (we left)
+        if resp is None:
             raise WorkerCallError(address, "Prefill.Prefill", grpc.StatusCode.INTERNAL,
-                                  str(exc)) from None
+                                  "the call ended without an outcome")
+        t = resp.timings
         return PrefillResult(first_token=resp.first_token, prompt_len=resp.prompt_len,
                              queue_s=t.queue_s, prefill_s=t.prefill_s, handoff_s=t.handoff_s,
                              finish_reason=_finish_reason(resp.finish_reason),
-                             first_logprobs=first_logprobs)
+                             first_logprobs=_logprobs(resp, "first_token_logprobs", address))
 
     def open_stream(self, address: str, handoff_id: int,
                     deadline_s: float | None = None) -> DecodeStream:

@@ -1,9 +1,13 @@
 """One request's path through the workers: choose a pair, run it, retry before the first token.
 
 An attempt opens ``Decode.Stream`` first (decode waits for the handoff, so no token can be missed)
-and calls ``Prefill.Prefill`` concurrently. Until the first token has reached the router, a
-failure is retried on another pair, with a new handoff id; after it, a failure ends the request
-with a status, because the client has already seen part of the output.
+and calls ``Prefill.Prefill`` concurrently. The first token reaches the client from the prefill
+worker as soon as it is sampled, while the state's last layers are still on their way to decode
+(``DispatchConfig.first_token_from_prefill``); decode's stream, which starts with the same token,
+gives the rest. Until decode's first batch has reached the router, a failure is retried on another
+pair, with a new handoff id, as a request whose prompt ends with the tokens the client already has;
+after it, a failure ends the request with a status, because decode has produced part of the
+output.
 
 Whatever way an attempt ends other than normal completion (failure, retry, client cancellation,
 deadline), its ``finally`` cancels both calls and sends a best-effort ``Abort`` to both workers, so
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +29,7 @@ import grpc
 from common.handoff.payload import new_handoff_id
 from common.logprobs import TokenLogprobs
 from common.request_spec import RequestSpec
-from router.client import (DecodeStream, PrefillCall, PrefillResult, TokenBatch,
+from router.client import (DecodeStream, EarlyToken, PrefillCall, PrefillResult, TokenBatch,
                            WorkerCallError, WorkerClients)
 from router.attempt_failures import (AttemptFailed, DispatchError, EveryDecodeFull,  # noqa: F401
                                      prefill_failure, stream_failure)
@@ -46,6 +51,10 @@ class DispatchConfig:
     first_token_timeout_s: float = 30.0
     # How long the final message waits for the prefill answer (its timings) once decode is done.
     prefill_result_grace_s: float = 5.0
+    # Stream the first token to the client as the prefill worker samples it, before decode has
+    # the state (False: from decode's stream, once the handoff is acknowledged). A handoff that
+    # fails after it is retried on another pair as a prompt that ends with that token.
+    first_token_from_prefill: bool = True
 
     # When every decode worker is full, a request waits for room (polling every
     # queue_poll_s) up to max_queue_wait_s, within its deadline; at most max_queued wait at once.
@@ -119,10 +128,11 @@ class Dispatcher:
         even when it is dropped while suspended at a yield.
         """
         queued_at = None
+        emitted: list[int] = []  # tokens a failed attempt already gave the client
         try:
             while True:
                 try:
-                    async with contextlib.aclosing(self._attempts(job)) as chunks:
+                    async with contextlib.aclosing(self._attempts(job, emitted)) as chunks:
                         async for chunk in chunks:
                             yield chunk
                     return
@@ -151,9 +161,11 @@ class Dispatcher:
         await asyncio.sleep(self.config.queue_poll_s if remaining is None
                             else min(self.config.queue_poll_s, remaining))
 
-    async def _attempts(self, job: Job) -> AsyncIterator[Chunk]:
+    async def _attempts(self, job: Job, emitted: list[int]) -> AsyncIterator[Chunk]:
         """One round over worker pairs (up to ``max_attempts``); EveryDecodeFull when each
-        refusal was for lack of room."""
+        refusal was for lack of room. ``emitted``: the tokens the client already has from
+        failed attempts (each attempt's first token, when the prefill worker sent it early);
+        an attempt continues after them, and adds its own there."""
         failures: list[str] = []
         excluded: set[str] = set()
         all_full = True  # every attempt so far was refused for lack of room
@@ -173,8 +185,9 @@ class Dispatcher:
             try:
                 # closed explicitly: an abandoned request runs the attempt's cleanup (the aborts)
                 # now, not when the generator is garbage-collected
-                async with contextlib.aclosing(self._attempt(job, prefill, decode,
-                                                             attempt)) as chunks:
+                async with contextlib.aclosing(self._attempt(_after(job, emitted), prefill,
+                                                             decode, attempt,
+                                                             emitted)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 return
@@ -207,8 +220,8 @@ class Dispatcher:
         reason = "no healthy prefill/decode pair left"
         return reason + (f"; down: {', '.join(down)}" if down else "")
 
-    async def _attempt(self, job: Job, prefill: str, decode: str,
-                       attempt: int) -> AsyncIterator[Chunk]:
+    async def _attempt(self, job: Job, prefill: str, decode: str, attempt: int,
+                       emitted: list[int]) -> AsyncIterator[Chunk]:
         handoff_id = new_handoff_id()
         log.info("[%s] attempt %d: prefill %s, decode %s, handoff %016x", job.spec.request_id,
                  attempt, prefill, decode, handoff_id)
@@ -216,8 +229,15 @@ class Dispatcher:
         # NOTE: the stream is opened before the prefill starts, so the decode worker has a reader
         # for the request by the time the handoff lands.
         stream = self.clients.open_stream(decode, handoff_id, self._remaining(job))
+        read = asyncio.ensure_future(stream.read())  # decode's first batch
+        early: asyncio.Future[EarlyToken] = asyncio.get_running_loop().create_future()
+
+        def on_first_token(token: EarlyToken) -> None:
+            if self.config.first_token_from_prefill and not early.done():
+                early.set_result(token)
+
         prefill_task = asyncio.create_task(
-            self.clients.prefill(prefill, call, self._remaining(job)))
+            self.clients.prefill(prefill, call, self._remaining(job), on_first_token))
         release = self.registry.assign(prefill, decode)
         prefill_task.add_done_callback(lambda task: _settle(task, release))
         # until the attempt's last call (the aborts included): a worker that left DNS keeps its
@@ -225,7 +245,17 @@ class Dispatcher:
         unhold = self.registry.hold(prefill, decode)
         completed = False
         try:
-            first = await self._first_batch(job, stream, prefill_task, prefill, decode)
+            first = await self._first_batch(job, read, prefill_task, early, prefill, decode)
+            if isinstance(first, EarlyToken):
+                yield Chunk((first.token_id,), self.clock(),
+                            logprobs=(first.logprobs,) if first.logprobs is not None else ())
+                emitted.append(first.token_id)  # a retry continues after it
+                first = await self._first_batch(job, read, prefill_task, None, prefill,
+                                                decode)
+                if isinstance(first, PrefillResult):  # the prefill worker broke its protocol
+                    raise DispatchError(Code.INTERNAL, f"prefill worker {prefill} sent a first "
+                                        "token to stream, then ended the request at it")
+                first = (_after_early(first[0], emitted[-1], decode), first[1])
             if isinstance(first, PrefillResult):
                 # The request ended at its first token; there is no handoff to stream.
                 completed = True
@@ -233,10 +263,12 @@ class Dispatcher:
                 yield Chunk((first.first_token,), self.clock(), (), first.finish_reason, first,
                             (first.first_logprobs,) if first.first_logprobs is not None else ())
                 return
-            async for chunk in self._follow(job, stream, prefill_task, decode, first):
+            async for chunk in self._follow(job, stream, prefill_task, decode, first,
+                                            len(emitted)):
                 yield chunk
             completed = True
         finally:
+            read.cancel()  # a no-op once it has its batch
             if not completed:
                 # Cancelled, failed or retried: free whatever either worker holds for it.
                 prefill_task.cancel()
@@ -245,45 +277,50 @@ class Dispatcher:
             else:
                 unhold()
 
-    async def _first_batch(self, job: Job, stream: DecodeStream, prefill_task: asyncio.Task,
-                           prefill: str, decode: str) -> tuple[TokenBatch, float] | PrefillResult:
-        """Wait for the first tokens; raise AttemptFailed (retryable) or DispatchError."""
-        read = asyncio.ensure_future(stream.read())
-        try:
-            await asyncio.wait({read, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-            # A dead decode worker fails its Stream and makes the prefill fail too; the stream
-            # is checked first so that the decode worker, not the prefill worker, is blamed.
-            if not read.done():
-                exc = prefill_task.exception()
-                if exc is not None:
-                    raise self._deadline_or(job, exc, lambda: prefill_failure(exc, prefill, decode))
-                result = prefill_task.result()
-                if result.finish_reason is not None:
-                    return result
-                done, _ = await asyncio.wait({read}, timeout=self.config.first_token_timeout_s)
-                if not done:
-                    raise AttemptFailed(f"decode worker {decode} sent no token within "
-                                        f"{self.config.first_token_timeout_s} s of the handoff",
-                                        blame=(decode,))
-            exc = read.exception()
+    async def _first_batch(self, job: Job, read: asyncio.Future, prefill_task: asyncio.Task,
+                           early: asyncio.Future | None, prefill: str, decode: str
+                           ) -> tuple[TokenBatch, float] | PrefillResult | EarlyToken:
+        """Wait for the first tokens: decode's first batch (``read``, the stream's first read,
+        left running when something else comes first: cancelling it would end the stream), the
+        prefill worker's answer when the request ended at its first token, or (``early`` given)
+        that worker's first token sent before the handoff was acknowledged. Raise AttemptFailed
+        (retryable) or DispatchError."""
+        await asyncio.wait({read, prefill_task} | ({early} if early is not None else set()),
+                           return_when=asyncio.FIRST_COMPLETED)
+        if early is not None and early.done() and not read.done():
+            return early.result()
+        # A dead decode worker fails its Stream and makes the prefill fail too; the stream
+        # is checked first so that the decode worker, not the prefill worker, is blamed.
+        if not read.done():
+            exc = prefill_task.exception()
             if exc is not None:
-                raise self._deadline_or(job, exc, lambda: stream_failure(exc, decode))
-            batch: TokenBatch | None = read.result()
-            if batch is None or not batch.token_ids:
-                why = "ended the stream" if batch is None else \
-                    f"finished with {batch.finish_reason} ({batch.error or 'no message'})"
-                # The worker answered, so it is not marked down; this request just moves on.
-                raise AttemptFailed(f"decode worker {decode} {why} before the first token",
-                                    exclude=(decode,))
-            return batch, self.clock()
-        finally:
-            read.cancel()
+                raise self._deadline_or(job, exc, lambda: prefill_failure(exc, prefill, decode))
+            result = prefill_task.result()
+            if result.finish_reason is not None:
+                return result
+            done, _ = await asyncio.wait({read}, timeout=self.config.first_token_timeout_s)
+            if not done:
+                raise AttemptFailed(f"decode worker {decode} sent no token within "
+                                    f"{self.config.first_token_timeout_s} s of the handoff",
+                                    blame=(decode,))
+        exc = read.exception()
+        if exc is not None:
+            raise self._deadline_or(job, exc, lambda: stream_failure(exc, decode))
+        batch: TokenBatch | None = read.result()
+        if batch is None or not batch.token_ids:
+            why = "ended the stream" if batch is None else \
+                f"finished with {batch.finish_reason} ({batch.error or 'no message'})"
+            # The worker answered, so it is not marked down; this request just moves on.
+            raise AttemptFailed(f"decode worker {decode} {why} before the first token",
+                                exclude=(decode,))
+        return batch, self.clock()
 
     async def _follow(self, job: Job, stream: DecodeStream, prefill_task: asyncio.Task,
-                      decode: str, first: tuple[TokenBatch, float]) -> AsyncIterator[Chunk]:
-        """Yield the first batch and the rest of the stream; no retry is possible any more."""
+                      decode: str, first: tuple[TokenBatch, float],
+                      num_tokens: int) -> AsyncIterator[Chunk]:
+        """Yield the first batch and the rest of the stream; no retry is possible any more.
+        ``num_tokens``: how many the client has already (for messages)."""
         batch, arrival = first
-        num_tokens = 0
         while True:
             num_tokens += len(batch.token_ids)
             if batch.finish_reason == "error":
@@ -297,8 +334,9 @@ class Dispatcher:
                 yield Chunk(batch.token_ids, arrival, batch.accept_lengths, batch.finish_reason,
                             prefill_result, batch.logprobs)
                 return
-            yield Chunk(batch.token_ids, arrival, batch.accept_lengths,
-                        logprobs=batch.logprobs)
+            if batch.token_ids:  # empty: decode's first batch held only the early token
+                yield Chunk(batch.token_ids, arrival, batch.accept_lengths,
+                            logprobs=batch.logprobs)
             try:
                 next_batch = await stream.read()
             except WorkerCallError as exc:
@@ -354,6 +392,26 @@ class Dispatcher:
         """Give outstanding aborts a moment to go out (at shutdown)."""
         if self._background:
             await asyncio.wait(set(self._background), timeout=timeout)
+
+
+def _after(job: Job, emitted: list[int]) -> Job:
+    """``job`` as it goes on after the client got ``emitted``: those tokens end its prompt, and
+    its budget of new tokens is that much smaller (a seeded sample's draws start again there)."""
+    if not emitted:
+        return job
+    sampling = dataclasses.replace(job.spec.sampling,
+                                   max_new_tokens=job.spec.sampling.max_new_tokens - len(emitted))
+    spec = RequestSpec(job.spec.request_id, job.spec.prompt_ids + tuple(emitted), sampling)
+    return dataclasses.replace(job, spec=spec)
+
+
+def _after_early(batch: TokenBatch, early: int, decode: str) -> TokenBatch:
+    """Decode's first batch without the first token, which the client already has from the
+    prefill worker."""
+    if not batch.token_ids or batch.token_ids[0] != early:
+        raise DispatchError(Code.INTERNAL, f"decode worker {decode} started with token "
+                            f"{batch.token_ids[:1]}, the prefill worker sampled {early}")
+    return dataclasses.replace(batch, token_ids=batch.token_ids[1:], logprobs=batch.logprobs[1:])
 
 
 def _settle(task: asyncio.Task, release: Callable[[], None]) -> None:

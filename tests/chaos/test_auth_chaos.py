@@ -143,13 +143,13 @@ def test_a_prefill_worker_never_dials_an_address_an_unauthenticated_caller_names
             for channel in channels(prefill.address):
                 async with channel:
                     stub = prefill_pb2_grpc.PrefillStub(channel)
-                    assert await code_of(stub.Prefill(request, timeout=10)) == UNAUTH
+                    assert await stream_code(stub.Prefill(request, timeout=10)) == UNAUTH
             await asyncio.sleep(0.3)  # long enough for a dial that was going to happen
             assert dialed == []
             # a token holder (the router) does choose the address: the worker dials it
             async with cluster.worker_channel(prefill.address) as ok:
-                code = await code_of(prefill_pb2_grpc.PrefillStub(ok).Prefill(request,
-                                                                              timeout=20))
+                code = await stream_code(prefill_pb2_grpc.PrefillStub(ok).Prefill(request,
+                                                                                  timeout=20))
             assert code != grpc.StatusCode.OK and dialed
         finally:
             trap.close()

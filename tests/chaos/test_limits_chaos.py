@@ -137,7 +137,8 @@ def test_a_prefill_worker_checks_the_same_limits(cluster, change, message):
 
     async def send():
         async with cluster.worker_channel(prefill.address) as channel:
-            await prefill_pb2_grpc.PrefillStub(channel).Prefill(request, timeout=10)
+            async for _ in prefill_pb2_grpc.PrefillStub(channel).Prefill(request, timeout=10):
+                pass
 
     err = refusal(send)
     assert err.code() == INVALID and message in err.details(), err.details()[:300]

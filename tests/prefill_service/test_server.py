@@ -1,9 +1,11 @@
 """The Prefill servicer over a real in-process gRPC server: what it refuses before any work,
-an unreachable decode worker, Abort of an unknown handoff, and GetLoad."""
+an unreachable decode worker, the first token sent ahead of the outcome, Abort of an unknown
+handoff, and GetLoad."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -17,6 +19,7 @@ from prefill_service.handoff_sender import HandoffSender
 from prefill_service.server import PrefillServicer
 from prefill_service.state_reader import StateReader
 from tests.ports import closed_port
+from tests.router.fakes import start_fake
 
 PAGE_SIZE, NUM_PAGES = 4, 9  # 8 usable pages: prompts of at most 32 tokens
 
@@ -38,27 +41,38 @@ def engine(model):
     engine.stop()
 
 
+@contextlib.asynccontextmanager
+async def served(engine: PrefillEngine):
+    """``engine`` served on a fresh port; yields a stub of it."""
+    server = grpc.aio.server()
+    sender = HandoffSender(StateReader(*engine.pools, chunk_bytes=1 << 16), timeout_s=10.0)
+    servicer = PrefillServicer(engine, sender, "prefill:0",
+                               engine.engine.model.config.vocab_size, (0,))
+    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield prefill_pb2_grpc.PrefillStub(channel)
+    finally:
+        await sender.close()
+        await server.stop(None)
+
+
 def call(engine: PrefillEngine, method: str, request):
     """Serve ``engine`` on a fresh port and make one call; returns the reply or the RpcError."""
 
     async def scenario():
-        server = grpc.aio.server()
-        sender = HandoffSender(StateReader(*engine.pools, chunk_bytes=1 << 16), timeout_s=10.0)
-        servicer = PrefillServicer(engine, sender, "prefill:0",
-                                   engine.engine.model.config.vocab_size, (0,))
-        prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = prefill_pb2_grpc.PrefillStub(channel)
-                try:
+        async with served(engine) as stub:
+            try:
+                if method != "Prefill":
                     return await getattr(stub, method)(request, timeout=30)
-                except grpc.aio.AioRpcError as exc:
-                    return exc
-        finally:
-            await sender.close()
-            await server.stop(None)
+                # a stream of updates: the outcome is the last
+                updates = [u async for u in stub.Prefill(request, timeout=30)]
+                assert updates[-1].HasField("done"), updates
+                return updates[-1].done
+            except grpc.aio.AioRpcError as exc:
+                return exc
 
     return asyncio.run(scenario())
 
@@ -113,3 +127,29 @@ def test_get_load_reports_this_worker(engine):
     assert reply.model_fingerprint == "fp"
     assert (reply.total_pages, reply.free_pages) == (NUM_PAGES - 1, NUM_PAGES - 1)
     assert reply.max_request_tokens == (NUM_PAGES - 1) * PAGE_SIZE
+
+
+@pytest.mark.parametrize("max_new_tokens,early", [(4, True), (1, False)])
+def test_the_first_token_goes_ahead_of_the_outcome_when_decode_has_more_to_do(
+        engine, max_new_tokens, early):
+    async def scenario():
+        decode = await start_fake("decode")  # accepts any handoff and acknowledges it
+        try:
+            async with served(engine) as stub:
+                request = prefill_request(decode_address=decode.address, sampling=types_pb2.
+                                          SamplingParams(temperature=0.0,
+                                                         max_new_tokens=max_new_tokens))
+                return [u async for u in stub.Prefill(request, timeout=30)], decode.servicer
+        finally:
+            await decode.stop()
+
+    updates, decode = asyncio.run(scenario())
+    kinds = [u.WhichOneof("update") for u in updates]
+    done = updates[-1].done
+    if early:
+        assert kinds == ["first_token", "done"]
+        assert updates[0].first_token.token_id == done.first_token
+        assert decode.first_tokens[7] == done.first_token  # the trailer's token is the same
+    else:  # the request ended at its first token: no handoff, the outcome says so
+        assert kinds == ["done"] and done.finish_reason == types_pb2.FINISH_REASON_LENGTH
+    assert pool_is_whole(engine)

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.grpc_util import SERVER_OPTIONS
-from prefill_service.handoff_sender import send_handoff
 from common.pb.flashsplit.v1 import (decode_pb2, decode_pb2_grpc, prefill_pb2,
                                      prefill_pb2_grpc, types_pb2)
 
@@ -38,6 +37,10 @@ def fake_logprobs(position: int, token: int, num_top: int) -> types_pb2.TokenLog
 class PrefillKnobs:
     fail_with: grpc.StatusCode | None = None   # answer every Prefill with this status
     delay_s: float = 0.0                        # before the handoff is pushed
+    early_first_token: bool = True              # send the first token before the handoff
+    early_token: int | None = None              # that token, when not the one decode gets
+    handoff_delay_s: float = 0.0                # between the early token and the handoff
+    fail_after_first_token: int = 0             # calls that end UNAVAILABLE after it
     queue_len: int = 0
 
 
@@ -60,6 +63,9 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.aborts: list[int] = []
 
     async def Prefill(self, request, context):
+        await context.write(prefill_pb2.PrefillUpdate(done=await self._run(request, context)))
+
+    async def _run(self, request, context):
         self.calls.append(request)
         if self.knobs.fail_with is not None:
             await context.abort(self.knobs.fail_with, f"fake prefill {self.address} failing")
@@ -80,12 +86,18 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             prompt_len=len(request.prompt_token_ids),
             prompt_token_ids=request.prompt_token_ids, sampling=request.sampling,
             request_id=request.request_id)
-        messages = [decode_pb2.HandoffMessage(header=header),
-                    decode_pb2.HandoffMessage(trailer=decode_pb2.HandoffTrailer(
-                        first_token=first))]
         async with grpc.aio.insecure_channel(request.decode_address) as ch:
+            # as the real worker does: the header (decode reserves or refuses), the prompt's
+            # computation (the delay), the first token to the router, then the rest
+            call = decode_pb2_grpc.DecodeStub(ch).Handoff(timeout=5)
             try:
-                await send_handoff(decode_pb2_grpc.DecodeStub(ch), messages, timeout_s=5)
+                await call.write(decode_pb2.HandoffMessage(header=header))
+                await self._reply(call, "accepted")
+                await self._early_first_token(request, first, context)
+                await call.write(decode_pb2.HandoffMessage(
+                    trailer=decode_pb2.HandoffTrailer(first_token=first)))
+                await call.done_writing()
+                await self._reply(call, "ack")
             except grpc.aio.AioRpcError as exc:
                 # The decode worker's refusal is passed through with its own status.
                 await context.abort(exc.code(), f"handoff to {request.decode_address}: "
@@ -93,6 +105,26 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.PrefillResponse(handoff_id=request.handoff_id, first_token=first,
                                            prompt_len=len(request.prompt_token_ids),
                                            timings=timings)
+
+    @staticmethod
+    async def _reply(call, expected: str) -> None:
+        reply = await call.read()  # raises AioRpcError when decode ended the call with a status
+        if reply is grpc.aio.EOF or reply.WhichOneof("reply") != expected:
+            raise AssertionError(f"fake prefill expected {expected!r} from decode, got {reply!r}")
+
+    async def _early_first_token(self, request, first: int, context) -> None:
+        if not self.knobs.early_first_token:
+            return
+        early = prefill_pb2.FirstToken(token_id=first if self.knobs.early_token is None
+                                       else self.knobs.early_token)
+        if request.sampling.HasField("logprobs"):
+            early.logprobs.CopyFrom(fake_logprobs(0, first, request.sampling.logprobs))
+        await context.write(prefill_pb2.PrefillUpdate(first_token=early))
+        if self.knobs.fail_after_first_token:
+            self.knobs.fail_after_first_token -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"fake prefill {self.address} died after its first token")
+        await asyncio.sleep(self.knobs.handoff_delay_s)
 
     async def Abort(self, request, context):
         self.aborts.append(request.handoff_id)
@@ -126,6 +158,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                     await context.abort(self.knobs.refuse_with, "fake decode: no room")
                 yield decode_pb2.HandoffReply(
                     accepted=decode_pb2.HandoffAccepted(handoff_id=header.handoff_id))
+        if header is None or header.handoff_id not in self.first_tokens:
+            return  # the sender went away before its trailer: nothing arrived
         self.handoffs[header.handoff_id] = header
         self._arrived[header.handoff_id].set()
         yield decode_pb2.HandoffReply(ack=decode_pb2.HandoffAck(handoff_id=header.handoff_id))
@@ -152,7 +186,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                     if header.sampling.HasField("logprobs") and self.knobs.send_logprobs else []
                 sent += len(step)
                 yield decode_pb2.TokenEvent(
-                    token_ids=step, accept_lengths=[len(step)],
+                    # the first token comes from the prefill: no step accepted it
+                    token_ids=step, accept_lengths=[len(step)] if sent > len(step) else [],
                     finish_reason=finish if sent == len(out) else 0, logprobs=logprobs)
         except asyncio.CancelledError:
             self.cancelled_streams.append(hid)

@@ -99,7 +99,7 @@ def test_multi_token_events_have_zero_gaps_and_accept_lengths():
             decode.knobs.tokens_per_event = 4
             msgs = await collect(stub, request(ids=[1, 2, 3], max_new_tokens=9))
             assert [len(m.token_ids) for m in msgs] == [1, 4, 4]
-            assert [list(m.accept_lengths) for m in msgs] == [[1], [4], [4]]
+            assert [list(m.accept_lengths) for m in msgs] == [[], [4], [4]]
             gaps = msgs[-1].timings.inter_token_latencies_s
             assert len(gaps) == 8 and [g == 0 for g in gaps] == [False, True, True, True] * 2
             assert msgs[-1].finish_reason == types_pb2.FINISH_REASON_LENGTH

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import types_pb2 as flashsplit_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66lashsplit/v1/prefill.proto\x12\rflashsplit.v1\x1a\x19\x66lashsplit/v1/types.proto\"\x9b\x01\n\x0ePrefillRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.flashsplit.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"G\n\x0ePrefillTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x11\n\thandoff_s\x18\x03 \x01(\x01\"\xee\x01\n\x0fPrefillResponse\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12.\n\x07timings\x18\x04 \x01(\x0b\x32\x1d.flashsplit.v1.PrefillTimings\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.flashsplit.v1.FinishReason\x12:\n\x14\x66irst_token_logprobs\x18\x06 \x01(\x0b\x32\x1c.flashsplit.v1.TokenLogprobs2\xd9\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.flashsplit.v1.PrefillRequest\x1a\x1e.flashsplit.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.flashsplit.v1.AbortRequest\x1a\x1c.flashsplit.v1.AbortResponse\x12@\n\x07GetLoad\x12\x1a.flashsplit.v1.LoadRequest\x1a\x19.flashsplit.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66lashsplit/v1/prefill.proto\x12\rflashsplit.v1\x1a\x19\x66lashsplit/v1/types.proto\"\x9b\x01\n\x0ePrefillRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.flashsplit.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"G\n\x0ePrefillTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x11\n\thandoff_s\x18\x03 \x01(\x01\"N\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12.\n\x08logprobs\x18\x02 \x01(\x0b\x32\x1c.flashsplit.v1.TokenLogprobs\"{\n\rPrefillUpdate\x12\x30\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x19.flashsplit.v1.FirstTokenH\x00\x12.\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1e.flashsplit.v1.PrefillResponseH\x00\x42\x08\n\x06update\"\xee\x01\n\x0fPrefillResponse\x12\x12\n\nhandoff_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12.\n\x07timings\x18\x04 \x01(\x0b\x32\x1d.flashsplit.v1.PrefillTimings\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.flashsplit.v1.FinishReason\x12:\n\x14\x66irst_token_logprobs\x18\x06 \x01(\x0b\x32\x1c.flashsplit.v1.TokenLogprobs2\xd9\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.flashsplit.v1.PrefillRequest\x1a\x1c.flashsplit.v1.PrefillUpdate0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.flashsplit.v1.AbortRequest\x1a\x1c.flashsplit.v1.AbortResponse\x12@\n\x07GetLoad\x12\x1a.flashsplit.v1.LoadRequest\x1a\x19.flashsplit.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_end=229
   _globals['_PREFILLTIMINGS']._serialized_start=231
   _globals['_PREFILLTIMINGS']._serialized_end=302
-  _globals['_PREFILLRESPONSE']._serialized_start=305
-  _globals['_PREFILLRESPONSE']._serialized_end=543
-  _globals['_PREFILL']._serialized_start=546
-  _globals['_PREFILL']._serialized_end=763
+  _globals['_FIRSTTOKEN']._serialized_start=304
+  _globals['_FIRSTTOKEN']._serialized_end=382
+  _globals['_PREFILLUPDATE']._serialized_start=384
+  _globals['_PREFILLUPDATE']._serialized_end=507
+  _globals['_PREFILLRESPONSE']._serialized_start=510
+  _globals['_PREFILLRESPONSE']._serialized_end=748
+  _globals['_PREFILL']._serialized_start=751
+  _globals['_PREFILL']._serialized_end=968
 # @@protoc_insertion_point(module_scope)

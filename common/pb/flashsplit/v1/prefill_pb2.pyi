@@ -31,6 +31,22 @@ class PrefillTimings(_message.Message):
     handoff_s: float
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., handoff_s: _Optional[float] = ...) -> None: ...
 
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprobs: _types_pb2.TokenLogprobs
+    def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_types_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
+
+class PrefillUpdate(_message.Message):
+    __slots__ = ("first_token", "done")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    first_token: FirstToken
+    done: PrefillResponse
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., done: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
+
 class PrefillResponse(_message.Message):
     __slots__ = ("handoff_id", "first_token", "prompt_len", "timings", "finish_reason", "first_token_logprobs")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]

@@ -36,10 +36,10 @@ class PrefillStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/flashsplit.v1.Prefill/Prefill',
                 request_serializer=flashsplit_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=flashsplit_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+                response_deserializer=flashsplit_dot_v1_dot_prefill__pb2.PrefillUpdate.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/flashsplit.v1.Prefill/Abort',
@@ -59,8 +59,10 @@ class PrefillServicer:
 
     def Prefill(self, request, context):
         """/ Run the prompt, sample the first token, push the state to decode_address over Decode.Handoff,
-        / and answer once the decode worker has acknowledged the handoff. A refused handoff is returned
-        / with the decode worker's status code.
+        / and end with `done` once the decode worker has acknowledged the handoff. When the request
+        / goes on past its first token, a `first_token` update comes first, as soon as the token is
+        / sampled (while the state's last layers are still on their way), so the router can stream it
+        / to the client at once. A refused handoff ends the call with the decode worker's status code.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,10 +85,10 @@ class PrefillServicer:
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=flashsplit_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=flashsplit_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+                    response_serializer=flashsplit_dot_v1_dot_prefill__pb2.PrefillUpdate.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -121,12 +123,12 @@ class Prefill:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/flashsplit.v1.Prefill/Prefill',
             flashsplit_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            flashsplit_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            flashsplit_dot_v1_dot_prefill__pb2.PrefillUpdate.FromString,
             options,
             channel_credentials,
             insecure,
