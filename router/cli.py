@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "they end with finish reason ABORT (also each process's --grace)")
     up.add_argument("--max-prompt-tokens", type=int, default=None,
                     help="passed to the router (default: what the workers' pools hold)")
+    up.add_argument("--first-token-after-handoff", action="store_true",
+                    help="passed to the router: stream each first token from decode once the "
+                         "handoff is acknowledged, not from prefill as soon as it is sampled")
     up.add_argument("--quiet", action="store_true", help="do not echo the processes' logs")
     add_log_format_arg(up)  # every process's, and the echo of them all
     # Modules that serve the workers; tests point them at fakes that speak the same protocol.
@@ -284,6 +287,8 @@ def cluster_config_from_args(args: argparse.Namespace):
     devices = tuple(d for d in (args.device or "").split(",") if d)
     router_args = (() if args.max_prompt_tokens is None
                    else ("--max-prompt-tokens", str(args.max_prompt_tokens)))
+    if args.first_token_after_handoff:
+        router_args += ("--first-token-after-handoff",)
     return ClusterConfig(model=args.model, host=args.host, router_port=args.port,
                          num_prefill=args.prefill_workers, num_decode=args.decode_workers,
                          prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,

@@ -121,3 +121,7 @@ def test_up_flags_become_the_cluster_config():
     assert config.worker_args == ("--dtype", "bfloat16", "--num-pages", "4096",
                                   "--max-running-requests", "8")
     assert config.prefill_module == "prefill_service" and config.echo_logs
+    assert config.router_args == ()
+    late = cluster_config_from_args(build_parser().parse_args(
+        ["up", "--max-prompt-tokens", "64", "--first-token-after-handoff"]))
+    assert late.router_args == ("--max-prompt-tokens", "64", "--first-token-after-handoff")
