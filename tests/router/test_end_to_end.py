@@ -137,11 +137,19 @@ def test_killed_decode_worker_fails_its_requests_and_others_carry_on():
 
         async def scenario():
             streaming = [asyncio.Event() for _ in range(6)]
+            counts = [0] * 6
+
+            def seen(i: int, tokens) -> None:
+                counts[i] += len(tokens)
+                if counts[i] >= 2:
+                    streaming[i].set()
+
             calls = [asyncio.create_task(generate(
                 cluster.router_address, request_to_pb(token_ids=[i + 1, 2, 3], params=long),
-                timeout_s=60, on_tokens=lambda _tokens, seen=seen: seen.set()))
-                for i, seen in enumerate(streaming)]
-            # every request past its first token, so none can be retried elsewhere
+                timeout_s=60, on_tokens=lambda tokens, i=i: seen(i, tokens)))
+                for i in range(6)]
+            # every request past decode's first tokens (the first came from prefill, and a
+            # failure right after it is retried elsewhere), so none can be retried
             await asyncio.wait_for(asyncio.gather(*(seen.wait() for seen in streaming)), 30)
             decode[0].popen.send_signal(signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
