@@ -56,6 +56,9 @@ class TauConfig:
     # equal, and which one wins then depends on rounding that differs between a verify
     # forward of a block and a decode step
     dtype: str | None = None
+    # CudaGraphConfig.commit_graphs: False launches a greedy step's acceptance and commit one
+    # by one after the verify graph (the baseline of the commit graphs)
+    commit_graphs: bool = True
 
 
 @dataclass
@@ -111,7 +114,8 @@ class _Engines:
                     cache=cache, device=c.device,
                     scheduler=SchedulerConfig(max_running_requests=running,
                                               max_prefill_tokens=max(2048, c.prompt_tokens)),
-                    cuda_graph=CudaGraphConfig(max_batch_size=running)),
+                    cuda_graph=CudaGraphConfig(max_batch_size=running,
+                                               commit_graphs=c.commit_graphs)),
                 self.eos, draft=self.draft if block else None, block_size=block)
             if torch.device(c.device).type == "cuda":
                 engine.warmup()
@@ -233,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--no-commit-graphs", dest="commit_graphs", action="store_false",
+                   help="launch a greedy step's acceptance and GDN commit one by one (the "
+                        "baseline of the commit graphs)")
     args = p.parse_args(argv)
     config = TauConfig(
         model=args.model, draft=args.draft, data=args.data,
@@ -240,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         temperatures=_floats(args.temperatures), num_prompts=args.num_prompts,
         prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
         speed_batches=tuple(int(b) for b in _floats(args.speed_batches)),
-        device=args.device, kernels=args.kernels, seed=args.seed, dtype=args.dtype)
+        device=args.device, kernels=args.kernels, seed=args.seed, dtype=args.dtype,
+        commit_graphs=args.commit_graphs)
     report = run_tau(config)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,10 @@
 - dflash: each phase of a DFLASH step timed with a device synchronisation around it: draft
   proposal, verify forward, acceptance, GDN commit, draft-context extension, and the rest (host
   bookkeeping). The synchronisations serialise the step, so the phases add up to more than
-  an unprofiled step. With verify graphs the draft context is written inside the verify
-  forward: captured, it is part of "verify"; uncaptured (CPU), it is timed as "context" and
-  also counted in "verify", so "rest" comes out negative.
+  an unprofiled step. With the greedy commit graphs (``--no-commit-graphs`` turns them off)
+  acceptance and commit are one replay, timed as "commit". With verify graphs the draft
+  context is written inside the verify forward: captured, it is part of "verify"; uncaptured
+  (CPU), it is timed as "context" and also counted in "verify", so "rest" comes out negative.
 
     python -m benchmarks.profile_step --device cuda --batch 1 [--out out/profile.json]
     python -m benchmarks.profile_step --model qwen3.5-35b-a3b          # MoE decode (no DFLASH)
@@ -127,10 +128,13 @@ def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 20, warm: in
     speculative.greedy_match = timed("accept", speculative.greedy_match)
     target.commit_verified = timed("commit", target.commit_verified)
     spec.extend_context = timed("context", spec.extend_context)
-    verify = spec.verify_graphs
+    verify, commit_graphs = spec.verify_graphs, spec.commit_graphs
     if verify is not None:
         originals["verify"] = verify.run
         verify.run = timed("verify", verify.run)
+    if commit_graphs is not None:  # acceptance and commit in one replay: timed as "commit"
+        originals["commit_graphs"] = commit_graphs.run
+        commit_graphs.run = timed("commit", commit_graphs.run)
     rows = []
     try:
         for i in range(warm + steps):
@@ -151,6 +155,8 @@ def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 20, warm: in
         target.commit_verified, spec.extend_context = originals["commit"], originals["context"]
         if verify is not None:
             verify.run = originals["verify"]
+        if commit_graphs is not None:
+            commit_graphs.run = originals["commit_graphs"]
     return {name: statistics.median(r[name] for r in rows) for name in rows[0]}
 
 
@@ -168,6 +174,9 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kernels", default="gpu", help="a kernel set (e.g. gpu-no-pdl)")
     p.add_argument("--out", default="out/profile.json")
+    p.add_argument("--no-commit-graphs", dest="commit_graphs", action="store_false",
+                   help="launch a greedy DFLASH step's acceptance and GDN commit one by one "
+                        "(the baseline of the commit graphs)")
     args = p.parse_args(argv)
     if args.model == "tiny":
         plain, spec = tiny_engine(False), tiny_engine(True)
@@ -184,7 +193,7 @@ def main(argv=None) -> int:
         plain = engine_for(model, None, max_running=running, graphs=graphs, device=args.device)
         spec = None if draft is None else engine_for(
             model, draft, block_size=args.block_size, max_running=running, graphs=graphs,
-            device=args.device)
+            device=args.device, commit_graphs=args.commit_graphs)
     for engine in (plain, spec):
         if engine is not None:
             fill_batch(engine, args.batch, prompt_len, 400, vocab=vocab)

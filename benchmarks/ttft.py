@@ -15,7 +15,7 @@ Both sides run in this one run, on the same device, so the ratio is what disaggr
   (``auto/late``, ``tcp:2/late``) runs a router that streams it from decode once the handoff is
   acknowledged, the baseline of that change. The client's time to the second token, which
   holds the handoff's tail when the first came early, is printed too. ``--concurrent 0`` leaves
-  out the concurrent case.
+  out the concurrent case. ``--mps`` runs it all under a CUDA MPS daemon of its own.
 
 On a GPU the checkpoint is a Qwen3.5-4B-shaped model with random weights, written once to
 ``--workdir``; ``--model`` takes any checkpoint directory (or ``tiny`` on the CPU).
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -269,7 +270,26 @@ def main(argv: list[str] | None = None) -> int:
                         "is tcp with N connections per handoff")
     p.add_argument("--workdir", default="/tmp/flashsplit-bench")
     p.add_argument("--out", default="out/ttft.json")
+    p.add_argument("--mps", action="store_true",
+                   help="run everything (the in-process engine too) under a CUDA MPS daemon "
+                        "of this run's own (common/mps.py), so the two workers' kernels "
+                        "share the GPU instead of time-slicing it")
     args = p.parse_args(argv)
+    if args.mps:
+        import subprocess
+
+        from common.mps import mps_daemon
+
+        # the run is a child of its own, so that every MPS client (this process's engine too)
+        # has exited when the daemon is told to quit: quit waits for its clients
+        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--mps"]
+        with mps_daemon(Path(args.workdir)):
+            return subprocess.call([sys.executable, "-m", "benchmarks.ttft", *rest])
+    return measure(args)
+
+
+def measure(args) -> int:
+    """Run every case of ``args`` and print the tables."""
     if args.model is None:
         args.model = random_checkpoint(Path(args.workdir))
     lengths = [int(x) for x in args.lengths.split(",") if x]
@@ -284,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                      "concurrent_s"))
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda")
               else "cpu", "model": args.model,
+              "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
               "in_process": {str(k): v for k, v in local.items()},
               "disaggregated": {t: {str(k): v for k, v in r.items()} for t, r in split.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--first-token-after-handoff", action="store_true",
                     help="passed to the router: stream each first token from decode once the "
                          "handoff is acknowledged, not from prefill as soon as it is sampled")
+    up.add_argument("--mps", action="store_true",
+                    help="run the workers under a CUDA MPS daemon of the cluster's own, so "
+                         "that workers sharing a GPU run their kernels side by side instead "
+                         "of taking turns on it (docs/operations.md)")
     up.add_argument("--quiet", action="store_true", help="do not echo the processes' logs")
     add_log_format_arg(up)  # every process's, and the echo of them all
     # Modules that serve the workers; tests point them at fakes that speak the same protocol.
@@ -298,7 +302,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                          start_timeout_s=args.start_timeout, echo_logs=not args.quiet,
                          prefill_module=args.prefill_module, decode_module=args.decode_module,
                          router_http_port=args.http_port, metrics=True,
-                         log_format=args.log_format)
+                         log_format=args.log_format, mps=args.mps)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

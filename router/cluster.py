@@ -14,9 +14,11 @@ from __future__ import annotations
 import collections
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from common.channels import ChannelSecurity, make_channel
 from common.grpc_util import bind_problem
 from common.lifecycle import PARENT_PID_ENV
 from common.logging_setup import echo_line
+from common.mps import MpsDaemon, MpsUnavailable
 from common.security import TOKEN_ENV, TOKEN_FILE_ENV
 from router.device_plan import worker_devices
 from router.memory_shares import memory_shares
@@ -95,6 +98,9 @@ class ClusterConfig:
     stderr_tail_lines: int = 40
     # the internal token every process gets; None: a new random one for each Cluster
     internal_token: str | None = field(default=None, repr=False)
+    # the workers run as clients of a CUDA MPS daemon of the cluster's own (common/mps.py),
+    # so that workers on one GPU run their kernels side by side instead of time-slicing it
+    mps: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -189,6 +195,7 @@ class Cluster:
         self.internal_token = config.internal_token or new_secret()
         self.workers: list[ManagedProcess] = []
         self.router: ManagedProcess | None = None
+        self._mps: MpsDaemon | None = None
 
     @property
     def router_address(self) -> str:
@@ -216,6 +223,8 @@ class Cluster:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCE_ROOT, env.get("PYTHONPATH"))
                                             if p)
         env["PYTHONUNBUFFERED"] = "1"
+        if self._mps is not None:
+            env.update(self._mps.env)
         # the child ends with this process (common/lifecycle.py): no preexec_fn, which would run
         # Python between fork and exec, where gRPC's threads make the child crash
         env[PARENT_PID_ENV] = str(os.getpid())
@@ -260,6 +269,12 @@ class Cluster:
         planned: list[tuple[str, list[str]]] = []
         devices = c.worker_devices()
         try:
+            if c.mps:
+                self._mps = MpsDaemon(Path(tempfile.mkdtemp(prefix="flashsplit-mps-")))
+                try:
+                    self._mps.start()
+                except MpsUnavailable as exc:
+                    raise ClusterError(f"--mps: {exc}") from exc
             for i, kind in enumerate(kinds):
                 module = c.prefill_module if kind == "prefill" else c.decode_module
                 tp = c.prefill_tp if kind == "prefill" else c.decode_tp
@@ -334,6 +349,10 @@ class Cluster:
         if self.router is not None:
             _terminate([self.router], kill_after)
         _terminate(self.workers, kill_after)
+        if self._mps is not None:  # its quit waits for the workers, its clients, to end
+            mps, self._mps = self._mps, None
+            mps.stop()
+            shutil.rmtree(mps.directory, ignore_errors=True)
 
     def __enter__(self) -> Cluster:
         return self.start()

@@ -47,11 +47,15 @@ class CudaGraphConfig:
             capped by the scheduler's ``max_running_requests``.
         capture: False runs the graph path's fixed buffers and padding eagerly (any device):
             for tests and for telling a capture problem from a padding problem.
+        commit_graphs: a greedy DFLASH step's acceptance and GDN commit replay from a graph
+            of their own after the verify graph (``common/engine/commit_graph.py``); False
+            launches them one by one, the baseline it is measured against.
     """
 
     enabled: bool = True
     max_batch_size: int = 256
     capture: bool = True
+    commit_graphs: bool = True
 
     def batch_sizes(self, max_running: int) -> tuple[int, ...]:
         top = max(1, min(self.max_batch_size, max_running))
@@ -181,17 +185,18 @@ class GraphRunner:
         self.attention[bs].plan(page_ids + [pad_pages] * missing,
                                 seq_lens + [self.q_len] * missing)
 
+    def pad(self, bs: int) -> None:
+        """Make every row of the batch of size ``bs`` padding (before a capture's warm-up)."""
+        self.inputs.fill([], [], [], [], self.kv_pool.page_size)
+        self._plan(bs, [], [])
+
     def capture(self, progress: bool = True) -> None:
         """Capture one graph per batch size (largest first, sharing one memory pool)."""
         if not self.capture_graphs or self.captured:
             return
 
-        def pad_everything(bs: int) -> None:
-            self.inputs.fill([], [], [], [], self.kv_pool.page_size)
-            self._plan(bs, [], [])
-
         self.graphs, self.outputs = capture_graphs(
-            self.batch_sizes, prepare=pad_everything,
+            self.batch_sizes, prepare=self.pad,
             forward=lambda bs: self._forward(self.batches[bs]),
             label=f"{self.mode.value} graphs", progress=progress)
         self.captured = True
@@ -213,7 +218,8 @@ class GraphRunner:
         (a device tensor): the previous step's tokens from the payload relay (overlap
         scheduling), or DFLASH drafts straight from the draft graph's output.
         Returns the output of the real rows (logits ``[n * q_len, V]``, views of the graph's
-        buffers, valid until the next run) and the padded batch (for a VERIFY commit).
+        buffers, valid until the next run; ``outputs[bs]`` holds every row's) and the padded
+        batch (for a VERIFY commit).
         Does not advance ``num_cached``.
         """
         n = len(requests)
@@ -242,7 +248,7 @@ class GraphRunner:
             self.graphs[bs].replay()
             out = self.outputs[bs]
         else:
-            out = self._forward(batch)
+            out = self.outputs[bs] = self._forward(batch)  # kept as a replay's would be
         t = n * q_len
         aux = None if out.aux_hidden_states is None else out.aux_hidden_states[:t]
         return ModelOutput(logits=out.logits[:t], aux_hidden_states=aux), batch

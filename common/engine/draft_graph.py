@@ -83,7 +83,8 @@ class DraftGraphRunner:
 
     def run(self, requests: Sequence[Request], pages: Sequence[Sequence[int]]) -> torch.Tensor:
         """Proposals ``[n, B-1]`` (int64, on the device; a view valid until the next run) for
-        blocks starting at each request's ``num_cached``, over its context pages ``pages[r]``."""
+        blocks starting at each request's ``num_cached``, over its context pages ``pages[r]``
+        (``outputs[bs]`` holds every row's, padding included)."""
         n = len(requests)
         bs = self.padded_size(n)
         self._fill([r.output_ids[-1] for r in requests], [r.num_cached for r in requests], pages)
@@ -91,5 +92,5 @@ class DraftGraphRunner:
             self.graphs[bs].replay()
             out = self.outputs[bs]
         else:
-            out = self._forward(bs)
+            out = self.outputs[bs] = self._forward(bs)  # kept as a replay's would be
         return out[:n]

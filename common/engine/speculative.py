@@ -17,6 +17,7 @@ from common.cache.kv_pool import KVPool, page_table
 from common.cache.state_pool import GDNStatePool
 from common.engine.acceptance import (Acceptance, accept_greedy, accept_sampled, greedy_match,
                                      read_greedy)
+from common.engine.commit_graph import GreedyCommitGraphs
 from common.engine.cuda_graph import CudaGraphConfig, GraphRunner, recorded_event
 from common.engine.draft_graph import DraftGraphRunner
 from common.engine.request import Request
@@ -80,7 +81,7 @@ class DFlashSpeculator:
         if max_requests > 0:
             state_pool.reserve_verify(max_requests, self.block_size)
         self.stats = {"spec_steps": 0, "spec_committed_tokens": 0, "spec_drafted_tokens": 0}
-        self.verify_graphs = self.draft_graphs = None
+        self.verify_graphs = self.draft_graphs = self.commit_graphs = None
         tokens = self.VERIFY_GRAPH_TOKENS if max_graph_tokens is None \
             else min(self.VERIFY_GRAPH_TOKENS, max_graph_tokens)
         if graphs is not None and max_requests > 0 and tokens >= self.block_size:
@@ -97,11 +98,24 @@ class DFlashSpeculator:
             self.draft_graphs = DraftGraphRunner(
                 draft, target, self.draft_pool, batch_sizes=sizes, block_size=self.block_size,
                 mask_token_id=self.mask_token_id, capture=graphs.capture)
+            if graphs.commit_graphs:
+                self.commit_graphs = GreedyCommitGraphs(
+                    batch_sizes=sizes, block_size=self.block_size, state_pool=state_pool,
+                    buffers=self._step_buffers, pad=self.verify_graphs.pad,
+                    commit=self._commit,
+                    capture=graphs.capture)
 
     def capture_graphs(self, progress: bool = True) -> None:
-        for runner in (self.draft_graphs, self.verify_graphs):
+        # the commit graphs read the others' outputs: captured last
+        for runner in (self.draft_graphs, self.verify_graphs, self.commit_graphs):
             if runner is not None:
                 runner.capture(progress)
+
+    def _step_buffers(self, bs: int):
+        """The draft proposals, verify logits and verify batch of batch size ``bs`` (all rows),
+        the inputs of the greedy commit graphs."""
+        return (self.draft_graphs.outputs[bs], self.verify_graphs.outputs[bs].logits,
+                self.verify_graphs.batches[bs])
 
     def extend_context(self, aux_hidden: torch.Tensor, batch: ForwardBatch,
                        rows: torch.Tensor | None = None) -> None:
@@ -176,9 +190,13 @@ class DFlashSpeculator:
         if all(r.params.is_greedy for r in requests):
             # acceptance and commit are queued behind the verify on the device, and the host
             # reads the outcome once, after both: the GPU does not idle between them
-            matched = greedy_match(drafts, logits)
-            lengths = F.pad(matched[0] + 1, (0, padding), value=1)
-            self._commit(batch, lengths)
+            if (self.commit_graphs is not None and self.draft_graphs.serves(n)
+                    and self.verify_graphs.serves(n) and self.commit_graphs.serves(batch)):
+                matched = self.commit_graphs.run(batch)[:, :n]
+            else:
+                matched = greedy_match(drafts, logits)
+                lengths = F.pad(matched[0] + 1, (0, padding), value=1)
+                self._commit(batch, lengths)
             accepted = read_greedy(matched)
         else:
             accepted = self._accept(requests, drafts, logits, seed_for)

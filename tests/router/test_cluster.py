@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -125,3 +126,33 @@ def test_up_flags_become_the_cluster_config():
     late = cluster_config_from_args(build_parser().parse_args(
         ["up", "--max-prompt-tokens", "64", "--first-token-after-handoff"]))
     assert late.router_args == ("--max-prompt-tokens", "64", "--first-token-after-handoff")
+    assert not config.mps
+    assert cluster_config_from_args(build_parser().parse_args(["up", "--mps"])).mps
+
+
+def test_mps_cluster_starts_its_workers_as_clients_of_its_own_daemon(tmp_path, monkeypatch):
+    from tests.common.test_mps import fake_control
+
+    log = fake_control(tmp_path, monkeypatch)
+    config = ClusterConfig(num_prefill=1, num_decode=1, start_timeout_s=60, mps=True, **FAKES)
+    with Cluster(config) as c:
+        pipes = set()
+        for w in c.workers:
+            env = dict(item.split("=", 1) for item in
+                       Path(f"/proc/{w.pid}/environ").read_text().split("\0") if "=" in item)
+            pipes.add(env["CUDA_MPS_PIPE_DIRECTORY"])
+        (pipe,) = pipes  # one daemon for all workers
+        assert Path(pipe).is_dir()
+        assert log.read_text().splitlines() == [f"args=-d pipe={pipe} stdin="]
+    # told to quit once the workers had ended, and its directories gone
+    assert log.read_text().splitlines()[1:] == [f"args= pipe={pipe} stdin=quit"]
+    assert not Path(pipe).exists()
+
+
+def test_mps_cluster_without_the_control_program_fails_before_any_worker(tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    cluster = Cluster(ClusterConfig(start_timeout_s=60, mps=True, **FAKES))
+    with pytest.raises(ClusterError, match="--mps: .*not on PATH"):
+        cluster.start()
+    assert cluster.workers == [] and cluster.router is None

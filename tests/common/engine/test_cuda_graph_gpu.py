@@ -176,3 +176,41 @@ def test_moe_replay_gives_eager_tokens(moe_model, backend):
             assert engine.runner.graphs is not None and engine.runner.graphs.captured
             runs.append([r.output_ids for r in engine.generate(prompts, params)])
         assert runs[0] == runs[1]
+
+
+def test_commit_graphs_give_the_tokens_of_the_commit_launched_alone():
+    """With the built-in trained pair, whose drafts are often accepted (random drafts almost
+    never are), so the captured commit replays accepted lengths above one."""
+    from common.model.dflash import load_draft
+    from common.model.kernels import select_kernels
+    from common.model.load import load_model
+
+    model = load_model("pycoder", device="cuda", kernels=select_kernels("gpu")).eval()
+    draft = load_draft("pycoder", model)
+    prompts = [list(range(5 + 7 * i, 40 + 9 * i)) for i in range(5)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=40 + 9 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+
+    def run(commit_graphs: bool):
+        config = EngineConfig(
+            cache=CacheConfig(page_size=16, num_pages=200, num_slots=12),
+            scheduler=SchedulerConfig(max_running_requests=10), device="cuda",
+            cuda_graph=CudaGraphConfig(max_batch_size=16, commit_graphs=commit_graphs))
+        engine = LLMEngine(model, config, draft=draft)
+        engine.warmup()
+        graphs, replays = engine.speculator.commit_graphs, []
+        if graphs is not None:
+            assert graphs.captured
+            replay = graphs.run
+            graphs.run = lambda batch: (replays.append(batch.num_requests), replay(batch))[1]
+        free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
+        out = engine.generate(prompts, params)
+        assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
+        return replays, out
+
+    none, alone = run(False)
+    replays, got = run(True)
+    assert none == [] and 8 in replays  # five requests ran padded to eight
+    assert [r.output_ids for r in got] == [r.output_ids for r in alone]
+    assert [r.accept_lengths for r in got] == [r.accept_lengths for r in alone]
+    assert max(n for r in got for n in r.accept_lengths) > 1
