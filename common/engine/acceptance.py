@@ -56,21 +56,26 @@ def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> list[Acceptance
 def accept_sampled(drafts_row: torch.Tensor, logits_row: torch.Tensor, params: SamplingParams,
                    generator: torch.Generator | None) -> Acceptance:
     """Lossless rejection sampling of one request's point-mass drafts [B-1] against its target
-    logits [B, V]."""
+    logits [B, V], on the logits' device with one host read.
+
+    Every draft's uniform is drawn at once (those after the first rejection go unused, which
+    changes nothing: each is independent of the rest), then one draw from the distribution the
+    rule gives after the accepted prefix: the residual at the first rejection, or the last
+    position's p when every draft is kept.
+    """
     probs = filtered_probs(logits_row, params)  # [B, V], rows sum to 1
-    device = probs.device
-    for i, token in enumerate(drafts_row.tolist()):
-        u = torch.rand((), generator=generator, device=device)
-        if u < probs[i, token]:
-            continue
-        residual = probs[i].clone()
-        residual[token] = 0.0
-        total = residual.sum()
-        if not total > 0:
-            # p puts all its mass on the draft (u fell on p's rounding error below 1): keeping
-            # the draft is the only draw the distribution allows
-            continue
-        bonus = torch.multinomial(residual / total, 1, generator=generator)
-        return Acceptance(i, int(bonus))
-    last = probs[len(drafts_row)]
-    return Acceptance(len(drafts_row), int(torch.multinomial(last, 1, generator=generator)))
+    k = drafts_row.numel()
+    drafts = drafts_row.to(device=probs.device, dtype=torch.int64).view(k, 1)
+    u = torch.rand(k, generator=generator, device=probs.device)
+    residual = probs[:k].scatter(1, drafts, 0.0)
+    total = residual.sum(-1)
+    # a rejection where p puts all its mass on the draft (u fell on p's rounding error below
+    # 1) keeps the draft: it is the only draw the distribution allows
+    keep = (u < probs[:k].gather(1, drafts).squeeze(1)) | ~(total > 0)
+    accepted = keep.int().cumprod(0).sum()  # the first rejection's index, or k
+    rows = torch.cat([residual / total.clamp_min(torch.finfo(total.dtype).tiny)[:, None],
+                      probs[k:k + 1]])
+    bonus = torch.multinomial(rows.index_select(0, accepted.view(1)), 1,
+                              generator=generator).view(())
+    n, token = torch.stack([accepted.to(torch.int64), bonus]).tolist()
+    return Acceptance(int(n), int(token))
