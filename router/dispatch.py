@@ -265,6 +265,9 @@ class Dispatcher:
                 return
             async for chunk in self._follow(job, stream, prefill_task, decode, first,
                                             len(emitted)):
+                # the caller may close this generator at the last chunk: decode has ended the
+                # request by then, and neither worker holds anything to abort
+                completed = chunk.finish_reason is not None
                 yield chunk
             completed = True
         finally:

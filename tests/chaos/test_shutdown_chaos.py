@@ -42,8 +42,10 @@ def up():
         process.stop()
 
 
-async def stream(address: str, params: SamplingParams, tokens_before: asyncio.Event | None = None):
-    """Generate, keeping every message: (token count, finish reasons, status, details, end)."""
+async def stream(address: str, params: SamplingParams, tokens_before: asyncio.Event | None = None,
+                 at_least: int = 5):
+    """Generate, keeping every message: (token count, finish reasons, status, details, end);
+    ``tokens_before`` is set once ``at_least`` tokens came."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = generation_pb2_grpc.GenerationStub(channel).Generate(
             request_to_pb(token_ids=[1, 2, 3], params=params), timeout=60)
@@ -52,7 +54,7 @@ async def stream(address: str, params: SamplingParams, tokens_before: asyncio.Ev
             async for msg in call:
                 tokens += len(msg.token_ids)
                 reasons.append(finish_reason_from_pb(msg.finish_reason))
-                if tokens_before is not None and tokens >= 5:
+                if tokens_before is not None and tokens >= at_least:
                     tokens_before.set()
             code, details = await call.code(), await call.details()
         except grpc.aio.AioRpcError as exc:
@@ -101,8 +103,11 @@ def test_sigterm_on_up_finishes_short_requests_and_aborts_long_ones_after_the_gr
         long = asyncio.ensure_future(stream(up.router_address, LONG, streaming))
         long_once = asyncio.ensure_future(once(LONG))
         await asyncio.wait_for(streaming.wait(), 20)
-        short = asyncio.ensure_future(stream(up.router_address, SHORT))
-        await asyncio.sleep(0.05)  # the short one is in flight too
+        started = asyncio.Event()
+        short = asyncio.ensure_future(stream(up.router_address, SHORT, started, at_least=1))
+        # the short one is in flight too, past its prefill (on a loaded machine a prefill may
+        # not start within the grace)
+        await asyncio.wait_for(started.wait(), 20)
         at = time.monotonic()
         up.proc.send_signal(signal.SIGTERM)
         return at, await asyncio.wait_for(asyncio.gather(long, long_once, short), 30)

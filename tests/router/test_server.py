@@ -295,6 +295,17 @@ def test_client_cancellation_aborts_on_both_workers():
     asyncio.run(body())
 
 
+def test_a_request_that_finishes_aborts_nothing():
+    """The router stops reading at the chunk with the finish reason; that is no cancellation."""
+    async def body():
+        async with cluster() as (stub, _, (prefill,), (decode,)):
+            await collect(stub, request("Hi", max_new_tokens=5))
+            await asyncio.sleep(0.2)  # time for an abort that would have been sent
+            assert len(prefill.calls) == 1
+            assert prefill.aborts == [] and decode.aborts == []
+    asyncio.run(body())
+
+
 def test_client_deadline_aborts_on_both_workers():
     async def body():
         async with cluster() as (stub, _, (prefill,), (decode,)):

@@ -42,7 +42,8 @@ def run_cluster(config: ClusterConfig):
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,path", [
-    (2, 1, "ranks"), (1, 2, "ranks"), (2, 2, "ranks"),
+    # 2 -> 2 over per-rank streams: test_pools_sized_by_memory_with_tp_give_tp1_tokens
+    (2, 1, "ranks"), (1, 2, "ranks"),
     # decode's 4 ranks: KV and GDN key heads replicated on pairs of ranks
     (2, 4, "ranks"),
     (2, 1, "leader"), (1, 2, "leader")])
@@ -127,6 +128,10 @@ def test_pools_sized_by_memory_with_tp_give_tp1_tokens(expected):
     assert [o.token_ids for o in outs] == expected
     for kind in ("prefill", "decode"):
         assert "1/2 of the host per rank" in logs[kind], logs[kind]
+    # --tp-handoff auto between two sharded workers: each rank streams its own heads
+    assert logs["prefill"].count("over per-rank streams (2 -> 2 ranks)") == len(PROMPTS)
+    admitted = [line for line in logs["decode"].splitlines() if "admitted:" in line]
+    assert [line.endswith("on per-rank streams") for line in admitted] == [True] * len(PROMPTS)
 
 
 def test_up_passes_each_kind_its_tp():

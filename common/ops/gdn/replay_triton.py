@@ -23,7 +23,7 @@ import triton.language as tl
 
 from common.ops.triton_math import exp, log1p
 
-__all__ = ["replay_kernel", "SOFTPLUS_THRESHOLD"]
+__all__ = ["replay_kernel", "launch_replay", "value_block", "SOFTPLUS_THRESHOLD"]
 
 SOFTPLUS_THRESHOLD = 20.0  # F.softplus's default, as the gating kernel uses
 
@@ -117,6 +117,12 @@ def replay_kernel(
         tl.store(p_h, b_h.to(ssm.dtype.element_ty), mask=m_h)
 
 
+def value_block(dk: int, dv: int) -> int:
+    """Value columns per program (``BV``): the state block ``[K, BV]`` stays in registers, so
+    fewer with K >= 128; more programs also keep more SMs busy at small batches."""
+    return min(triton.next_power_of_2(dv), 8 if triton.next_power_of_2(dk) >= 128 else 16)
+
+
 def launch_replay(*, qkv, a, b, slots, conv_pool, conv_weight, A_log, dt_bias,
                   ssm_pool, o, block: int, scale: float, num_k_heads: int, n: int,
                   output: bool, store: bool, lengths=None, cu=None) -> None:
@@ -128,8 +134,7 @@ def launch_replay(*, qkv, a, b, slots, conv_pool, conv_weight, A_log, dt_bias,
     if (lengths is None) == (cu is None):
         raise ValueError("give exactly one of lengths and cu")
     layers, _, hv, dv, dk = ssm_pool.shape
-    bk = triton.next_power_of_2(dk)
-    bv = min(triton.next_power_of_2(dv), 8 if bk >= 128 else 16)
+    bk, bv = triton.next_power_of_2(dk), value_block(dk, dv)
     replay_kernel[(triton.cdiv(dv, bv), n * hv, layers)](
         qkv, *qkv.stride()[:2], a, *a.stride()[:2], b, *b.stride()[:2],
         lengths if cu is None else cu, cu if lengths is None else lengths, slots,

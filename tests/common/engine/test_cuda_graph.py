@@ -13,6 +13,7 @@ from common.engine.scheduler import SchedulerConfig
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.load import load_model
 from common.sampling import SamplingParams
+from tests.common.engine.interpreter_tiles import widen_tiles
 
 CACHE = CacheConfig(page_size=4, num_pages=300, num_slots=12)
 
@@ -166,9 +167,10 @@ def test_moe_graphs_need_the_capturable_op_and_stay_within_its_tokens(model, moe
 
 
 @pytest.mark.parametrize("backend", ["capturable", "triton"])
-def test_moe_padded_decode_gives_the_eager_tokens(moe_models, backend):
-    """Each capturable MoE op (the Triton one in Triton's interpreter here) through padded
-    graph batches (uncaptured) gives the reference op's eager tokens."""
+def test_moe_padded_decode_gives_the_eager_tokens(moe_models, backend, monkeypatch):
+    """Each capturable MoE op (the Triton one in Triton's interpreter here, with wider tiles)
+    through padded graph batches (uncaptured) gives the reference op's eager tokens."""
+    widen_tiles(monkeypatch)
     prompts = _prompts(5)
     params = [SamplingParams(temperature=0.0, max_new_tokens=4 + i, ignore_eos=True)
               for i in range(len(prompts))]

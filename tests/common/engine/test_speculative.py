@@ -117,11 +117,12 @@ def small_models():
     return target.eval(), draft.eval()
 
 
-def sample_continuations(target, draft) -> collections.Counter:
+def sample_continuations(target, draft, device: str = "cpu") -> collections.Counter:
     config = EngineConfig(cache=CacheConfig(page_size=4, num_pages=SAMPLES * 4 + 1,
                                             num_slots=SAMPLES + 1),
                           scheduler=SchedulerConfig(max_prefill_tokens=SAMPLES * 3,
-                                                    max_running_requests=SAMPLES))
+                                                    max_running_requests=SAMPLES),
+                          device=device)
     engine = LLMEngine(target, config, eos_token_ids=(99,), draft=draft)
     params = [SamplingParams(**{**SAMPLED.__dict__, "seed": s}) for s in range(SAMPLES)]
     reqs = engine.generate([[1, 2, 3]] * SAMPLES, params)

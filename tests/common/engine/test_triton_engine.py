@@ -24,6 +24,7 @@ from common.model.kernels import Kernels
 from common.model.load import load_model
 from common.ops.registry import GPU_OPS
 from common.sampling import SamplingParams
+from tests.common.engine.interpreter_tiles import widen_tiles
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -51,6 +52,11 @@ def prompts() -> list[list[int]]:
 # requests that end at different steps, so the padded batch shrinks 3 -> 2 -> 1; each step
 # is seconds in the interpreter
 PARAMS = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (4, 6, 3)]
+
+
+@pytest.fixture(autouse=True)
+def wide_tiles(monkeypatch):
+    widen_tiles(monkeypatch)
 
 
 def test_every_triton_op_is_in_use():
