@@ -15,9 +15,11 @@ padding run eagerly, which is how the CPU tests check the padded path.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,6 +266,26 @@ def recorded_event(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector run once, then off until the block ends.
+
+    A collection inside a capture may free an earlier engine's CUDA graphs, and destroying a
+    graph while a stream captures is not permitted: CUDA invalidates the capture ("operation
+    failed due to a previous error during capture"). torch.cuda.graph no longer collects before
+    a capture (only with torch.compiler.config.force_cudagraph_gc), so garbage cycles left by an
+    engine built before this one (tests, benchmarks) are collected here, outside any capture.
+    SGLang and vLLM stop the collector around their captures likewise."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def capture_graphs(batch_sizes: Sequence[int], *, prepare: Callable[[int], None],
                    forward: Callable[[int], Any], label: str, progress: bool = True
                    ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, Any]]:
@@ -278,7 +300,8 @@ def capture_graphs(batch_sizes: Sequence[int], *, prepare: Callable[[int], None]
     graphs, outputs = {}, {}
     start = time.perf_counter()
     log.info("capturing %d %s", len(sizes), label)
-    with progress_bar(len(sizes), f"Capturing {label}", "graph", enabled=progress) as bar:
+    with collector_paused(), \
+            progress_bar(len(sizes), f"Capturing {label}", "graph", enabled=progress) as bar:
         for bs in sizes:
             bar.set_postfix_str(f"batch {bs}", refresh=False)
             prepare(bs)

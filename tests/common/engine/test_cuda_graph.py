@@ -220,3 +220,42 @@ def test_an_attention_plan_takes_this_ranks_heads(world_size):
     _attention_plan(shard, kv_pool, rows=2, q_len=1, make_plan=lambda **kw: asked.update(kw))
     assert asked["num_qo_heads"] == 16 // world_size
     assert asked["num_kv_heads"] == kv_pool.kv.shape[-2] == max(1, 2 // world_size)
+
+
+def test_captures_run_with_the_collector_paused_after_one_collection(monkeypatch):
+    """A collection inside a capture could destroy an earlier engine's CUDA graphs, which CUDA
+    does not permit while a stream captures (it invalidates the capture): garbage from before
+    is collected first, and the collector stays off while the graphs are captured."""
+    import contextlib
+    import gc
+    import weakref
+
+    from common.engine import cuda_graph
+
+    events = []
+
+    class Cycle:
+        pass
+
+    gc.disable()  # the garbage stays until something collects it
+    garbage = Cycle()
+    garbage.self = garbage
+    weakref.finalize(garbage, events.append, "collected")
+    del garbage
+    gc.enable()
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None):
+        events.append(("capture", gc.isenabled()))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    graphs, outputs = cuda_graph.capture_graphs(
+        [1, 2], prepare=lambda bs: None, forward=lambda bs: bs * 10, label="test graphs",
+        progress=False)
+    assert events == ["collected", ("capture", False), ("capture", False)]
+    assert gc.isenabled()
+    assert outputs == {1: 10, 2: 20} and set(graphs) == {1, 2}

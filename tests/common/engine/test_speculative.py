@@ -96,7 +96,8 @@ SMALL_TARGET = {
                         "partial_rotary_factor": 0.5},
     "tie_word_embeddings": True, "dtype": "float32",
 }
-SAMPLES = 3000
+# the lossy rule below scores about 12x the critical value at this size, so it has power to spare
+SAMPLES = 1500
 SAMPLED = SamplingParams(temperature=1.3, top_k=5, max_new_tokens=4, ignore_eos=True)
 
 
