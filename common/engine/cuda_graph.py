@@ -28,6 +28,7 @@ import torch
 from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
 from common.engine.request import Request
+from common.engine.static_inputs import StaticInputs
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
 from common.progress import progress_bar
@@ -62,64 +63,6 @@ class CudaGraphConfig:
     def batch_sizes(self, max_running: int) -> tuple[int, ...]:
         top = max(1, min(self.max_batch_size, max_running))
         return tuple(s for s in _BATCH_SIZES if s < top) + (top,)
-
-
-class StaticInputs:
-    """The fixed device buffers a graph reads: per row, ``q_len`` token ids, positions and
-    flat KV slots, and one GDN state slot. Row r's tokens are entries r*q_len .. r*q_len+q_len-1.
-    One packed int64 buffer, so a step's inputs are a single host-to-device copy."""
-
-    def __init__(self, max_rows: int, q_len: int, device: torch.device) -> None:
-        self.max_rows, self.q_len = max_rows, q_len
-        t = max_rows * q_len
-        self.packed = torch.zeros(3 * t + max_rows, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.out_cache_loc, self.state_slots = torch.split(
-            self.packed, [t, t, t, max_rows])
-        self.cu_seqlens = torch.arange(max_rows + 1, dtype=torch.int64, device=device) * q_len
-        self.logits_positions = torch.arange(t, dtype=torch.int64, device=device)
-        # two staging buffers, used in turn: a step may be filled while the copy of the one
-        # before it has not run yet (overlap scheduling)
-        self._hosts = [torch.zeros_like(self.packed, device="cpu") for _ in range(2)]
-        if device.type == "cuda":
-            self._hosts = [h.pin_memory() for h in self._hosts]
-        self._turn = 0
-
-    def fill(self, token_ids: Sequence[Sequence[int]] | None, starts: Sequence[int],
-             page_ids: Sequence[Sequence[int]], slots: Sequence[int], page_size: int) -> None:
-        """Rows given are the real requests; the rest become padding (all zeros: token 0 at
-        position 0 in scratch KV slot 0 and scratch state slot 0). ``token_ids`` None leaves
-        the ids zero, for the caller to write on the device."""
-        t = self.max_rows * self.q_len
-        host = self._hosts[self._turn]
-        self._turn ^= 1
-        host.zero_()
-        ids, pos, loc = [], [], []
-        for r, (start, pages) in enumerate(zip(starts, page_ids)):
-            toks = token_ids[r] if token_ids is not None else [0] * self.q_len
-            for i, tok in enumerate(toks):
-                p = start + i
-                ids.append(tok)
-                pos.append(p)
-                loc.append(pages[p // page_size] * page_size + p % page_size)
-        n = len(ids)
-        host[:n] = torch.tensor(ids, dtype=torch.int64)
-        host[t:t + n] = torch.tensor(pos, dtype=torch.int64)
-        host[2 * t:2 * t + n] = torch.tensor(loc, dtype=torch.int64)
-        host[3 * t:3 * t + len(slots)] = torch.tensor(list(slots), dtype=torch.int64)
-        self.packed.copy_(host, non_blocking=True)
-
-    def batch(self, mode: ForwardMode, rows: int, attention) -> ForwardBatch:
-        """The ForwardBatch of the first ``rows`` rows (views of the buffers). Its host lists
-        describe the shape only: a graph forward reads lengths from ``cu_seqlens`` and the
-        attention plan, never from the lists."""
-        t = rows * self.q_len
-        return ForwardBatch(
-            mode=mode, input_ids=self.input_ids[:t], positions=self.positions[:t],
-            prefix_lens=[0] * rows, extend_lens=[self.q_len] * rows,
-            page_table=torch.zeros(rows, 1, dtype=torch.int32, device=self.packed.device),
-            out_cache_loc=self.out_cache_loc[:t], state_slots=self.state_slots[:rows],
-            logits_positions=self.logits_positions[:t], cu_seqlens=self.cu_seqlens[:rows + 1],
-            attention=attention)
 
 
 def _attention_plan(model: HybridForCausalLM, kv_pool: KVPool, *, rows: int, q_len: int,
