@@ -118,7 +118,8 @@ def replay_kernel(
 
 
 def value_block(dk: int, dv: int) -> int:
-    """Value columns per program (``BV``): the state block ``[K, BV]`` stays in registers, so
+    """Value columns per program (``BV``) of a GDN recurrence walk (this replay and the
+    decode/prefill kernel of ``triton.py``): the state block ``[K, BV]`` stays in registers, so
     fewer with K >= 128; more programs also keep more SMs busy at small batches."""
     return min(triton.next_power_of_2(dv), 8 if triton.next_power_of_2(dk) >= 128 else 16)
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from common.ops.gdn import reference
 from common.ops.gdn._common import INTERPRET, check_in_place, check_shapes, device_cu, on_gpu
-from common.ops.gdn.replay_triton import SOFTPLUS_THRESHOLD
+from common.ops.gdn.replay_triton import SOFTPLUS_THRESHOLD, value_block
 from common.ops.triton_math import exp, log1p
 
 __all__ = ["recurrent_gated_delta_rule", "gdn_decode_in_place"]
@@ -162,8 +162,7 @@ def _launch(q, k, v, g, beta, cu, slots, h0, ht, inter, o, s0, st, scale, *, hk,
     """One launch of ``_recurrent_kernel``; s0 / st are the K-major strides of h0 / ht.
     ``gates``: (A_log, dt_bias) when g and beta are the raw projections a and b."""
     A_log, dt_bias = gates if gates is not None else (g, g)  # unused pointers otherwise
-    bk = triton.next_power_of_2(dk)
-    bv = min(triton.next_power_of_2(dv), 8 if bk >= 128 else 16)
+    bk, bv = triton.next_power_of_2(dk), value_block(dk, dv)
     grid = (triton.cdiv(dv, bv), n * hv)
     _recurrent_kernel[grid](
         q, k, v, g, beta, A_log, dt_bias, cu, slots, h0, ht, inter, o,
