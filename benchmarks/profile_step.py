@@ -3,6 +3,8 @@
 - decode: a profiler trace of a few graphed decode steps. It prints the kernels with the most GPU
   time and their launch counts per step, and the step's device time against its wall time (the
   host's share).
+- host: the Python functions a step (DFLASH's, else decode's) spends its host time in, under
+  cProfile (time of their own and cumulative, per step).
 - dflash: each phase of a DFLASH step timed with a device synchronisation around it: draft
   proposal, verify forward, acceptance, GDN commit, draft-context extension, and the rest (host
   bookkeeping). The synchronisations serialise the step, so the phases add up to more than
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -64,17 +68,17 @@ def load_pair(model_name: str, draft_name: str, kernels: str, device: str):
     return model.eval(), load_draft(draft_name, model) if draft_name else None
 
 
-def profile_decode(engine: LLMEngine, device: str, steps: int = 5) -> dict:
+def profile_decode(engine: LLMEngine, device: str, steps: int = 5, wall_steps: int = 30) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if device.startswith("cuda") else [])
     engine.step()
     _sync(device)
     # wall time from unprofiled steps: starting the profiler alone takes longer than a step
     start = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(wall_steps):
         engine.step()
     _sync(device)
-    wall = (time.perf_counter() - start) / steps
+    wall = (time.perf_counter() - start) / wall_steps
     with profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
@@ -100,6 +104,25 @@ def profile_decode(engine: LLMEngine, device: str, steps: int = 5) -> dict:
 def _is_gemm(kernel: str) -> bool:
     """cuBLAS/cuBLASLt kernel names (sm90_xmma, nvjet, cutlass, gemv)."""
     return any(s in kernel.lower() for s in ("gemm", "gemv", "xmma", "nvjet", "cutlass"))
+
+
+def host_functions(engine: LLMEngine, device: str, steps: int = 50, top: int = 25) -> list[dict]:
+    """The Python functions a step spends its host time in: ``steps`` unsynchronised steps
+    under cProfile, the functions with the most time of their own (per step), each with its
+    cumulative time. cProfile slows every call alike, so the shares are what to read."""
+    engine.step()
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    _sync(device)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, prim, own, cum, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": v[1] / steps,
+             "own_us_per_step": v[2] / steps * 1e6, "cum_us_per_step": v[3] / steps * 1e6}
+            for (f, line, name), v in rows]
 
 
 def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 20, warm: int = 3) -> dict:
@@ -200,15 +223,18 @@ def main(argv=None) -> int:
     decode = profile_decode(plain, args.device)
     dflash = time_dflash_phases(spec, args.device) if spec else {}
     dflash_profile = profile_decode(spec, args.device) if spec else {}
+    host = host_functions(spec if spec else plain, args.device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": args.model, "batch": args.batch, "decode": decode,
-                               "dflash": dflash, "dflash_profile": dflash_profile}, indent=2))
+                               "dflash": dflash, "dflash_profile": dflash_profile,
+                               "host_functions": host}, indent=2))
     print(f"decode step: wall {decode['wall_ms']:.2f} ms, device {decode['device_ms']:.2f} ms "
           f"(GEMMs {decode['gemm_ms']:.2f} ms), {decode['launches_per_step']:.0f} launches")
     for k in decode["top"][:25]:
         print(f"  {k['us_per_step']:>9.1f} us  x{k['launches_per_step']:<5.0f} {k['kernel']}")
     if not spec:
+        _print_host(host, "decode")
         return 0
     print(f"dflash step: wall {dflash_profile['wall_ms']:.2f} ms, device "
           f"{dflash_profile['device_ms']:.2f} ms, {dflash_profile['launches_per_step']:.0f} launches")
@@ -216,8 +242,16 @@ def main(argv=None) -> int:
         print(f"  {k['us_per_step']:>9.1f} us  x{k['launches_per_step']:<5.0f} {k['kernel']}")
     for k in dflash_profile["top_host"][:12]:
         print(f"  host {k['self_us_per_step']:>9.1f} us  x{k['calls_per_step']:<5.0f} {k['op']}")
+    _print_host(host, "dflash")
     print("dflash step, medians (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in dflash.items()))
     return 0
+
+
+def _print_host(host: list[dict], step: str) -> None:
+    print(f"{step} step's host time by function under cProfile (us per step, own / cumulative):")
+    for h in host:
+        print(f"  {h['own_us_per_step']:>8.1f} {h['cum_us_per_step']:>8.1f}  "
+              f"x{h['calls_per_step']:<6.1f} {h['function'][:100]}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,13 @@ def test_a_checkpoint_and_its_draft_get_both_steps_profiled(tmp_path, capsys):
     assert set(PHASES) <= set(result["dflash"])
     assert result["dflash"]["propose"] > 0 and result["dflash"]["commit"] > 0
     assert "dflash step, medians (ms)" in capsys.readouterr().out
+    # the host table is the DFLASH step's (the draft's attention is among its costliest
+    # functions on the CPU), most time of their own first
+    host = result["host_functions"]
+    assert any(h["function"].startswith("draft_reference.py") for h in host)
+    own = [h["own_us_per_step"] for h in host]
+    assert own == sorted(own, reverse=True) and all(
+        h["cum_us_per_step"] >= h["own_us_per_step"] > 0 for h in host)
 
 
 def test_a_checkpoint_without_a_draft_profiles_the_decode_step_only(tmp_path):
@@ -26,3 +33,5 @@ def test_a_checkpoint_without_a_draft_profiles_the_decode_step_only(tmp_path):
     assert main(["--device", "cpu", "--model", "pycoder", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["decode"]["wall_ms"] > 0 and result["dflash"] == {}
+    assert result["host_functions"] and not any(
+        h["function"].startswith("draft_reference.py") for h in result["host_functions"])

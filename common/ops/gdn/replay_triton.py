@@ -7,7 +7,9 @@ and v are the silu conv of the pre-conv rows (the slot's conv window supplies th
 the first token), its gates come from the raw ``a``, ``b``. The arithmetic and its order are
 those of the conv, gating and recurrence kernels EXTEND runs (fp32, the conv output rounded to
 the io dtype, l2-normalised q and k with 1e-6 added to the sum of squares), so the state and
-outputs match theirs.
+outputs match theirs. With a conv of width 4 (every released checkpoint) the window slides in
+registers: one new row per token, loaded a token ahead, instead of four taps reloaded per token
+(the walk is latency-bound: 3x less time a DFLASH step on the H200, docs/training.md).
 
 - verify (``OUTPUT``): token outputs are written; the pool is only read.
 - commit (``STORE``): the final state is written back to the slot; no outputs.
@@ -45,6 +47,43 @@ def _conv_taps(qkv, stride_r, pool, i_s, s_s, s_d, s_w, w, stride_wd, row0, t, c
         acc = acc + val * wv
     acc = acc * tl.sigmoid(acc)
     return acc.to(qkv.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _row(qkv, stride_r, row, ch, m_ch):
+    """One token's pre-conv values of channels ``ch`` in fp32 (zeros where masked)."""
+    return tl.load(qkv + row * stride_r + ch, mask=m_ch, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _window_weights(w, stride_wd, ch, m_ch):
+    """The four conv taps' weights of channels ``ch`` (fp32)."""
+    w0 = tl.load(w + ch * stride_wd + 0, mask=m_ch, other=0.0).to(tl.float32)
+    w1 = tl.load(w + ch * stride_wd + 1, mask=m_ch, other=0.0).to(tl.float32)
+    w2 = tl.load(w + ch * stride_wd + 2, mask=m_ch, other=0.0).to(tl.float32)
+    w3 = tl.load(w + ch * stride_wd + 3, mask=m_ch, other=0.0).to(tl.float32)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _window_start(pool, i_s, s_s, s_d, s_w, ch, m_ch):
+    """The slot's conv window (the three inputs before the first token), fp32."""
+    p = pool + i_s * s_s + ch * s_d
+    x0 = tl.load(p + 0 * s_w, mask=m_ch, other=0.0).to(tl.float32)
+    x1 = tl.load(p + 1 * s_w, mask=m_ch, other=0.0).to(tl.float32)
+    x2 = tl.load(p + 2 * s_w, mask=m_ch, other=0.0).to(tl.float32)
+    return x0, x1, x2
+
+
+@triton.jit
+def _conv4(x0, x1, x2, x3, w0, w1, w2, w3):
+    """silu of a width-4 conv, the taps added in _conv_taps' order (fp32, not rounded)."""
+    acc = tl.zeros(x0.shape, dtype=tl.float32)
+    acc = acc + x0 * w0
+    acc = acc + x1 * w1
+    acc = acc + x2 * w2
+    acc = acc + x3 * w3
+    return acc * tl.sigmoid(acc)
 
 
 @triton.jit
@@ -92,27 +131,77 @@ def replay_kernel(
     b_h = tl.load(p_h, mask=m_h, other=0.0).to(tl.float32)
     alog = tl.load(A_log + i_l * al_l + i_hv).to(tl.float32)
     bias = tl.load(dt_bias + i_l * dt_l + i_hv).to(tl.float32)
-    for t in range(0, length):
-        b_k = _conv_taps(qkv, stride_r, conv, i_s, c_s, c_d, c_w, w, stride_wd, row0, t, ch_k,
-                         m_k, W)
-        b_v = _conv_taps(qkv, stride_r, conv, i_s, c_s, c_d, c_w, w, stride_wd, row0, t, ch_v,
-                         m_v, W)
-        x = tl.load(a + (row0 + t) * stride_a + i_hv).to(tl.float32) + bias
-        sp = tl.where(x > THRESHOLD, x, log1p(exp(tl.minimum(x, THRESHOLD))))
-        b_g = -exp(alog) * sp
-        bv = tl.load(b + (row0 + t) * stride_b + i_hv).to(tl.float32)
-        b_beta = tl.math.div_rn(1.0, 1.0 + exp(-bv))
-        b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))
-        b_h = b_h * tl.exp(b_g)
-        b_delta = (b_v - tl.sum(b_h * b_k[:, None], 0)) * b_beta
-        b_h = b_h + b_k[:, None] * b_delta[None, :]
+    if W == 4:
+        # the conv window slides in registers: each token loads one new pre-conv row (the
+        # next token's, ahead of its use, so its latency hides behind this token's walk),
+        # and the taps are summed in the same order as _conv_taps, so the bits are the same
+        wk0, wk1, wk2, wk3 = _window_weights(w, stride_wd, ch_k, m_k)
+        wv0, wv1, wv2, wv3 = _window_weights(w, stride_wd, ch_v, m_v)
+        k0, k1, k2 = _window_start(conv, i_s, c_s, c_d, c_w, ch_k, m_k)
+        v0, v1, v2 = _window_start(conv, i_s, c_s, c_d, c_w, ch_v, m_v)
+        nk = _row(qkv, stride_r, row0, ch_k, m_k & (length > 0))
+        nv = _row(qkv, stride_r, row0, ch_v, m_v & (length > 0))
+        na = tl.load(a + row0 * stride_a + i_hv, mask=length > 0, other=0.0).to(tl.float32)
+        nb = tl.load(b + row0 * stride_b + i_hv, mask=length > 0, other=0.0).to(tl.float32)
         if OUTPUT:
-            b_q = _conv_taps(qkv, stride_r, conv, i_s, c_s, c_d, c_w, w, stride_wd, row0, t,
-                             ch_q, m_k, W)
-            b_q = b_q * (1.0 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)) * scale
-            b_o = tl.sum(b_h * b_q[:, None], 0)
-            tl.store(o + ((row0 + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty),
-                     mask=m_v)
+            wq0, wq1, wq2, wq3 = _window_weights(w, stride_wd, ch_q, m_k)
+            q0, q1, q2 = _window_start(conv, i_s, c_s, c_d, c_w, ch_q, m_k)
+            nq = _row(qkv, stride_r, row0, ch_q, m_k & (length > 0))
+        for t in range(0, length):
+            k3, v3, x, bv = nk, nv, na + bias, nb
+            more = t + 1 < length
+            nk = _row(qkv, stride_r, row0 + t + 1, ch_k, m_k & more)
+            nv = _row(qkv, stride_r, row0 + t + 1, ch_v, m_v & more)
+            na = tl.load(a + (row0 + t + 1) * stride_a + i_hv, mask=more, other=0.0).to(
+                tl.float32)
+            nb = tl.load(b + (row0 + t + 1) * stride_b + i_hv, mask=more, other=0.0).to(
+                tl.float32)
+            if OUTPUT:
+                q3 = nq
+                nq = _row(qkv, stride_r, row0 + t + 1, ch_q, m_k & more)
+            b_k = _conv4(k0, k1, k2, k3, wk0, wk1, wk2, wk3).to(qkv.dtype.element_ty).to(
+                tl.float32)
+            b_v = _conv4(v0, v1, v2, v3, wv0, wv1, wv2, wv3).to(qkv.dtype.element_ty).to(
+                tl.float32)
+            k0, k1, k2 = k1, k2, k3
+            v0, v1, v2 = v1, v2, v3
+            sp = tl.where(x > THRESHOLD, x, log1p(exp(tl.minimum(x, THRESHOLD))))
+            b_g = -exp(alog) * sp
+            b_beta = tl.math.div_rn(1.0, 1.0 + exp(-bv))
+            b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))
+            b_h = b_h * tl.exp(b_g)
+            b_delta = (b_v - tl.sum(b_h * b_k[:, None], 0)) * b_beta
+            b_h = b_h + b_k[:, None] * b_delta[None, :]
+            if OUTPUT:
+                b_q = _conv4(q0, q1, q2, q3, wq0, wq1, wq2, wq3).to(qkv.dtype.element_ty).to(
+                    tl.float32)
+                q0, q1, q2 = q1, q2, q3
+                b_q = b_q * (1.0 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)) * scale
+                b_o = tl.sum(b_h * b_q[:, None], 0)
+                tl.store(o + ((row0 + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty),
+                         mask=m_v)
+    else:
+        for t in range(0, length):
+            b_k = _conv_taps(qkv, stride_r, conv, i_s, c_s, c_d, c_w, w, stride_wd, row0, t, ch_k,
+                             m_k, W)
+            b_v = _conv_taps(qkv, stride_r, conv, i_s, c_s, c_d, c_w, w, stride_wd, row0, t, ch_v,
+                             m_v, W)
+            x = tl.load(a + (row0 + t) * stride_a + i_hv).to(tl.float32) + bias
+            sp = tl.where(x > THRESHOLD, x, log1p(exp(tl.minimum(x, THRESHOLD))))
+            b_g = -exp(alog) * sp
+            bv = tl.load(b + (row0 + t) * stride_b + i_hv).to(tl.float32)
+            b_beta = tl.math.div_rn(1.0, 1.0 + exp(-bv))
+            b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))
+            b_h = b_h * tl.exp(b_g)
+            b_delta = (b_v - tl.sum(b_h * b_k[:, None], 0)) * b_beta
+            b_h = b_h + b_k[:, None] * b_delta[None, :]
+            if OUTPUT:
+                b_q = _conv_taps(qkv, stride_r, conv, i_s, c_s, c_d, c_w, w, stride_wd, row0, t,
+                                 ch_q, m_k, W)
+                b_q = b_q * (1.0 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)) * scale
+                b_o = tl.sum(b_h * b_q[:, None], 0)
+                tl.store(o + ((row0 + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty),
+                         mask=m_v)
     if STORE:
         tl.store(p_h, b_h.to(ssm.dtype.element_ty), mask=m_h)
 

@@ -76,21 +76,49 @@ def test_pdl_launches_give_the_tokens_of_plain_launches(models):
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
 
 
+# two bf16 steps of a logit between 8 and 16, in log-probability
+NEAR_TIE = 0.125
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def test_overlap_scheduling_gives_the_tokens_of_steps_in_turn(models):
     """Replayed steps launched while the host prepares the next (the relay feeding each step
     the previous step's tokens on the device), greedy and seeded sampled requests, requests
     finishing at different steps: the tokens of the same graphs run one step at a time, and
-    the pools back to full."""
+    the pools back to full.
+
+    An overlapped request that finished is still in the step launched before its end was
+    read, so from the first finish on overlapped steps carry one row more than the same step
+    run in turn (measured: 5, 5, 4 ... against 5, 4, 4 ...) and pad to another captured size,
+    whose kernels round the same row's bf16 logits differently. With random weights a near-tie
+    may then go the other way (seen on the H200: the last request's 23rd token, once the GDN
+    prefill ran on fla instead of FlashInfer). So a greedy request may part from the steps in
+    turn only where their two best tokens were within NEAR_TIE of each other; wrong inputs
+    (a stale id, a shifted position or slot) part requests at once and by far more."""
     model, _ = models
     params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=i,
-                             max_new_tokens=9 + 4 * i, ignore_eos=True)
+                             max_new_tokens=9 + 4 * i, ignore_eos=True,
+                             logprobs=2 if i % 2 == 0 else None)
               for i in range(len(LENGTHS))]
     want = _engine(model, None, graphs=True).generate(_prompts(), params)
     engine = _engine(model, None, graphs=True, overlap=True)
     assert engine.overlap is not None
     free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
     got = engine.generate(_prompts(), params)
-    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    for w, g, p in zip(want, got, params):
+        j = _first_difference(w.output_ids, g.output_ids)
+        if j is None:
+            continue
+        assert p.is_greedy and len(w.output_ids) == len(g.output_ids), (w.output_ids,
+                                                                        g.output_ids)
+        assert j > 0, "the first token comes from the prefill, which does not overlap"
+        top = dict(w.logprobs[j].top)
+        assert g.output_ids[j] in top and abs(top[w.output_ids[j]] - top[g.output_ids[j]]) \
+            <= NEAR_TIE, (j, w.logprobs[j], g.output_ids[j])
     assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
 
 

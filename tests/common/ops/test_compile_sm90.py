@@ -6,9 +6,10 @@ compiler, and the instruction order of the programmatic-dependent-launch (PDL) v
 compilation runs in a subprocess because the CPU test run sets ``TRITON_INTERPRET=1``, under
 which ``@triton.jit`` builds interpreter functions that cannot be compiled.
 
-Covered: the kernels that have not yet run on a GPU (the Triton MoE, the PDL launch variants)
-and the kernels they build on. Pointer and stride arguments are compiled with the 16-divisibility
-hint Triton gives aligned tensors at launch, as the real launches get it.
+Covered: the kernels that have not yet run on a GPU (the Triton MoE, the PDL launch variants,
+the GDN walk with its sliding conv window) and the kernels they build on. Pointer and stride
+arguments are compiled with the 16-divisibility hint Triton gives aligned tensors at launch, as
+the real launches get it.
 """
 
 from __future__ import annotations
@@ -69,6 +70,19 @@ def _specs() -> dict[str, tuple[str, str, dict, dict]]:
                               IS=I32),
                          dict(TOP_K=8, BLOCK_N=4, BLOCK_K=512, EVEN_K=True, SHARED=True,
                               BLOCK_KS=512, EVEN_KS=True))
+    # the GDN walk of a DFLASH verify (outputs) and commit (state), sliding conv window
+    # (width 4) and tap by tap (other widths)
+    replay_args = dict(qkv=P, q_l=I32, stride_r=I32, a=P, a_l=I32, stride_a=I32, b=P, b_l=I32,
+                       stride_b=I32, lengths="*i32", cu="*i32", slots="*i64", conv=P, c_l=I32,
+                       c_s=I32, c_d=I32, c_w=I32, w=P, w_l=I32, stride_wd=I32, A_log="*fp32",
+                       al_l=I32, dt_bias="*fp32", dt_l=I32, ssm="*fp32", h_l=I32, h_s=I32,
+                       h_h=I32, h_v=I32, h_k=I32, o=P, block=I32, scale=F32)
+    for width in (4, 3):
+        for mode, output, cu in (("verify", True, True), ("commit", False, False)):
+            specs[f"gdn_{mode}_walk_w{width}"] = (
+                "common.ops.gdn.replay_triton", "replay_kernel", replay_args,
+                dict(HK=2, HV=4, K=128, V=128, BK=128, BV=8, W=width, THRESHOLD=20.0,
+                     USE_CU=cu, OUTPUT=output, STORE=not output))
     return specs
 
 

@@ -213,28 +213,32 @@ def test_gdn_decode_in_place(monkeypatch):
           in_place=("ssm_pool",))
 
 
-def test_gdn_verify(monkeypatch):
+# width 4 (every released checkpoint) takes the sliding-window walk, others the tap-by-tap one
+@pytest.mark.parametrize("width", [4, 3])
+def test_gdn_verify(monkeypatch, width):
     g = _gen(15)
     proj = rand(g, 7, CONV_DIM + 3 + 2 * HV)  # qkv, a, b: column views of one projection
     check(monkeypatch, "common.ops.gdn.verify_triton", "common.ops.gdn.verify_reference",
           "gdn_verify",
           dict(mixed_qkv=proj[:, :CONV_DIM], a=proj[:, CONV_DIM + 3:CONV_DIM + 3 + HV],
                b=proj[:, CONV_DIM + 3 + HV:], cu_seqlens=torch.tensor([0, 4, 7]),
-               conv_pool=rand(g, 6, CONV_DIM, 3), conv_weight=rand(g, CONV_DIM, 4, scale=0.5),
+               conv_pool=rand(g, 6, CONV_DIM, width - 1),
+               conv_weight=rand(g, CONV_DIM, width, scale=0.5),
                ssm_pool=rand(g, 6, HV, V, K, scale=0.3), slots=torch.tensor([5, 2]),
                A_log=rand(g, HV, scale=0.5), dt_bias=rand(g, HV), num_k_heads=HK,
                num_v_heads=HV))
 
 
-def test_gdn_commit_in_place(monkeypatch):
+@pytest.mark.parametrize("width", [4, 3])
+def test_gdn_commit_in_place(monkeypatch, width):
     g = _gen(16)
     layers, block = 2, 5
     check(monkeypatch, "common.ops.gdn.commit_triton", "common.ops.gdn.commit_reference",
           "gdn_commit_in_place",
           dict(qkv=rand(g, layers, 3 * block, CONV_DIM), a=rand(g, layers, 3 * block, HV),
                b=rand(g, layers, 3 * block, HV), block=block, accepted=torch.tensor([2, 5, 1]),
-               conv_pool=rand(g, layers, 7, CONV_DIM, 3),
-               conv_weight=rand(g, layers, CONV_DIM, 4, scale=0.5),
+               conv_pool=rand(g, layers, 7, CONV_DIM, width - 1),
+               conv_weight=rand(g, layers, CONV_DIM, width, scale=0.5),
                ssm_pool=rand(g, layers, 7, HV, V, K, scale=0.3), slots=torch.tensor([6, 2, 3]),
                A_log=rand(g, layers, HV, scale=0.5), dt_bias=rand(g, layers, HV),
                num_k_heads=HK, num_v_heads=HV),
