@@ -49,7 +49,8 @@ class ServingConfig:
 
 def prompt_texts(config: ServingConfig, count: int) -> list[str]:
     """``count`` evenly spaced windows of the held-out data, as text."""
-    from common.model.load import eos_token_ids_for, load_config
+    from common.model.load import eos_token_ids_for
+    from common.model.registry import load_config
     from common.tokenizer import load_tokenizer
     from common.training.token_data import held_out_windows
 

@@ -294,7 +294,7 @@ def measure(args) -> int:
         args.model = random_checkpoint(Path(args.workdir))
     lengths = [int(x) for x in args.lengths.split(",") if x]
     local = in_process(args, lengths)
-    from common.model.load import load_config
+    from common.model.registry import load_config
     vocab = load_config(args.model).vocab_size
     transports = [t for t in args.transports.split(",") if t]
     split = {t: disaggregated(args, lengths, vocab, t) for t in transports}

@@ -195,7 +195,7 @@ def run_local(args: argparse.Namespace, prompts: list[list[int]],
                               progress=True, tensor_parallel_size=args.tp,  # a bar on terminals
                               expert_parallel=args.expert_parallel)
     if args.tp > 1:
-        from common.model.load import load_config
+        from common.model.registry import load_config
         from common.parallel.shard_plan import ShardPlan
 
         # refused before any process starts

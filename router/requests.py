@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.logprobs import TokenLogprobs
+from common.model.registry import load_config
 from common.sampling import SamplingParams
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 from router.stop_strings import StopStringMatcher
@@ -39,8 +40,6 @@ class ServedModel:
 
 def load_served_model(name: str, tokenizer: Tokenizer) -> ServedModel:
     """Read the model's config ("tiny" or a checkpoint directory)."""
-    from common.model.load import load_config  # imports torch; only the router process needs it
-
     config = load_config(name)
     eos = tuple(dict.fromkeys(tuple(tokenizer.eos_token_ids) + tuple(config.eos_token_ids)))
     return ServedModel(name=name, model_type=config.model_type, vocab_size=config.vocab_size,

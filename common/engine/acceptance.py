@@ -6,7 +6,7 @@ worker. For a point-mass draft q = δ(x), chain rejection sampling reduces to: a
 with probability p_i(x_i); at the first rejection draw the correction from the residual
 max(p_i − q_i, 0) ∝ p_i with x_i removed; if every draft is accepted draw the bonus from the last
 position's p. p_i is the request's own filtered distribution (temperature, top-k, top-p, min-p:
-``common.sampling.filtered_probs``), so speculation changes nothing a sampler would.
+``common.engine.sampler.filtered_probs``), so speculation changes nothing a sampler would.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.sampling import SamplingParams, filtered_probs
+from common.engine.sampler import filtered_probs
+from common.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

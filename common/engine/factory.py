@@ -112,7 +112,7 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
         raise ValueError(f"the settings ask for tensor-parallel size "
                          f"{settings.tensor_parallel_size}, the group given has {world_size}")
     if world_size > 1:
-        from common.model.load import load_config
+        from common.model.registry import load_config
         from common.parallel.followers import FollowerLink, ShardSettings
         from common.parallel.shard_plan import ShardPlan
 

@@ -19,11 +19,13 @@ from common.engine.overlap import InFlight, OverlapDecoder
 from common.engine.request import Request
 from common.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from common.engine.speculative import DFlashSpeculator
-from common.logprobs import TokenLogprobs, check_asked, logprobs_per_row
+from common.engine.step_logprobs import logprobs_per_row
+from common.logprobs import TokenLogprobs, check_asked
 from common.model.dflash import DFlashDraftModel
 from common.model.forward_batch import ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM
-from common.sampling import Sampler, SamplingParams, make_generator, stop_reason
+from common.engine.sampler import Sampler, make_generator
+from common.sampling import SamplingParams, stop_reason
 
 log = logging.getLogger(__name__)
 

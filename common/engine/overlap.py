@@ -30,7 +30,8 @@ import torch
 from common.engine.cuda_graph import GraphRunner, recorded_event
 from common.engine.relay import PayloadRelay
 from common.engine.request import Request
-from common.logprobs import StepLogprobs, TokenLogprobs
+from common.engine.step_logprobs import StepLogprobs
+from common.logprobs import TokenLogprobs
 
 NEXT_TOKEN = "next_token"
 

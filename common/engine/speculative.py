@@ -21,7 +21,8 @@ from common.engine.commit_graph import GreedyCommitGraphs
 from common.engine.cuda_graph import CudaGraphConfig, GraphRunner, recorded_event
 from common.engine.draft_graph import DraftGraphRunner
 from common.engine.request import Request
-from common.logprobs import TokenLogprobs, logprobs_per_row
+from common.engine.step_logprobs import logprobs_per_row
+from common.logprobs import TokenLogprobs
 from common.model.dflash import DFlashDraftModel, DraftKVPool
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM

@@ -11,11 +11,13 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from common.config import ModelConfig
 from common.handoff.errors import HandoffError
+
+if TYPE_CHECKING:  # torch is imported where dtypes are resolved: the router never does
+    import torch
 
 # Order of the recurrent state's dims per GDN layer, by name (docs/architecture.md "State layouts").
 STATE_LAYOUTS = ("hv_v_k", "hv_k_v")
@@ -29,6 +31,8 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 def to_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """The torch dtype named by ``dtype`` ("bfloat16", "torch.float16", "float", ...)."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     value = getattr(torch, str(dtype).removeprefix("torch."), None)
@@ -63,7 +67,7 @@ class LayoutDescriptor:
     @classmethod
     def from_model(cls, config: ModelConfig, page_size: int, dtype: torch.dtype | str, *,
                    state_layout: str = DEFAULT_STATE_LAYOUT,
-                   ssm_dtype: torch.dtype | str = torch.float32) -> "LayoutDescriptor":
+                   ssm_dtype: torch.dtype | str = "float32") -> "LayoutDescriptor":
         """The layout of a worker serving ``config`` with ``page_size``-token pages in ``dtype``."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")

@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from common.handoff.errors import HandoffError
 from common.handoff.layout import LayoutDescriptor, dtype_name, to_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 # kv          [num_full_layers, 2, num_prompt_pages, page_size, kv_heads, head_dim]  model dtype
 # conv_state  [num_gdn_layers, conv_dim, conv_window]                                model dtype

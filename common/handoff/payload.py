@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from common.handoff.layout import LayoutDescriptor
 from common.handoff.manifest import FieldSpec, validate_manifest
 from common.logprobs import TokenLogprobs
 from common.request_spec import RequestSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 def new_handoff_id() -> int:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from common.config import ModelConfig
 from common.model.family_registry import parse_model_config
 
@@ -48,27 +46,30 @@ def tiny_config() -> ModelConfig:
     return parse_model_config(dict(TINY_CONFIG))
 
 
-@torch.no_grad()
 def fill_deterministic(named_params, seed: int = TINY_SEED, *, device: str = "cpu") -> None:
     """Fill parameters from a seeded generator, in name order.
 
     ``device`` is where the numbers are drawn: the default CPU gives the same weights on every
     machine (the built-in model); "cuda" draws billions of them quickly (benchmark models).
     """
-    gen = torch.Generator(device=device).manual_seed(seed)
-    on = dict(generator=gen, device=device)
-    for name, p in sorted(named_params, key=lambda kv: kv[0]):
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "A_log":
-            value = torch.empty(p.shape, device=device).uniform_(1.0, 16.0, generator=gen).log()
-        elif leaf == "dt_bias":
-            value = torch.randn(p.shape, **on) * 0.5
-        elif name.endswith("norm.weight"):
-            value = torch.randn(p.shape, **on) * 0.1
-        else:
-            fan_in = p.shape[-1] if p.dim() > 1 else 1
-            value = torch.randn(p.shape, **on) / math.sqrt(fan_in)
-        p.copy_(value.to(p.dtype))
+    import torch  # here, not at the top: the router reads tiny's config without torch
+
+    with torch.no_grad():
+        gen = torch.Generator(device=device).manual_seed(seed)
+        on = dict(generator=gen, device=device)
+        for name, p in sorted(named_params, key=lambda kv: kv[0]):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "A_log":
+                value = torch.empty(p.shape, device=device).uniform_(1.0, 16.0,
+                                                                     generator=gen).log()
+            elif leaf == "dt_bias":
+                value = torch.randn(p.shape, **on) * 0.5
+            elif name.endswith("norm.weight"):
+                value = torch.randn(p.shape, **on) * 0.1
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                value = torch.randn(p.shape, **on) / math.sqrt(fan_in)
+            p.copy_(value.to(p.dtype))
 
 
 TINY_DRAFT_SEED = 20261130
@@ -95,20 +96,22 @@ TINY_DRAFT_CONFIG = {
 }
 
 
-@torch.no_grad()
 def fill_draft_deterministic(named_params, seed: int = TINY_DRAFT_SEED, *,
                              device: str = "cpu") -> None:
     """Fill draft parameters from a seeded generator, in name order.
 
     The draft's norms are plain ``x̂ · w``, so their weights are drawn around 1, not 0.
     """
-    gen = torch.Generator(device=device).manual_seed(seed)
-    on = dict(generator=gen, device=device)
-    for name, p in sorted(named_params, key=lambda kv: kv[0]):
-        if name.endswith("norm.weight"):
-            value = 1.0 + torch.randn(p.shape, **on) * 0.1
-        elif name.endswith(".bias"):
-            value = torch.randn(p.shape, **on) * 0.02
-        else:
-            value = torch.randn(p.shape, **on) / math.sqrt(p.shape[-1])
-        p.copy_(value.to(p.dtype))
+    import torch  # here, not at the top: the router reads tiny's config without torch
+
+    with torch.no_grad():
+        gen = torch.Generator(device=device).manual_seed(seed)
+        on = dict(generator=gen, device=device)
+        for name, p in sorted(named_params, key=lambda kv: kv[0]):
+            if name.endswith("norm.weight"):
+                value = 1.0 + torch.randn(p.shape, **on) * 0.1
+            elif name.endswith(".bias"):
+                value = torch.randn(p.shape, **on) * 0.02
+            else:
+                value = torch.randn(p.shape, **on) / math.sqrt(p.shape[-1])
+            p.copy_(value.to(p.dtype))

@@ -2,7 +2,9 @@
 names its weights. (Built-in checkpoints by name are ``common/model/registry.py``.)
 
 Adding a family is one module under ``common/model/families/`` that defines ``FAMILY`` (a
-:class:`~common.model.families.family.ModelFamily`) and its name in ``FAMILY_MODULES``.
+:class:`~common.model.families.family.ModelFamily`, plain data), its name in ``FAMILY_MODULES``,
+and the module of its model code that ``FAMILY.model_module`` names. Parsing a config imports no
+model code (and no torch): the router does it.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common.config import ConfigError, ModelConfig
 from common.model.families.family import ModelFamily
-from common.model.qwen3_5 import HybridForCausalLM
+
+if TYPE_CHECKING:
+    from common.model.qwen3_5 import HybridForCausalLM
 
 FAMILY_MODULES = (
     "qwen3_5",

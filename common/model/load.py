@@ -8,19 +8,13 @@ from pathlib import Path
 import torch
 
 from common.config import ModelConfig
-from common.model.builtin import TINY_NAME, fill_deterministic, tiny_config
-from common.model.family_registry import model_class_for, read_model_config
+from common.model.builtin import TINY_NAME, fill_deterministic
+from common.model.family_registry import model_class_for
 from common.model.kernels import Kernels
 from common.model.loader import full_parameter_shapes, load_weights
 from common.model.qwen3_5 import HybridForCausalLM
-from common.model.registry import resolve_model
+from common.model.registry import load_config, resolve_model
 from common.parallel.group import TensorParallelGroup
-
-
-def load_config(name_or_path: str) -> ModelConfig:
-    if name_or_path == TINY_NAME:
-        return tiny_config()
-    return read_model_config(resolve_model(name_or_path))
 
 
 def load_model(name_or_path: str, *, dtype: torch.dtype | None = None,

@@ -6,13 +6,18 @@ safetensors, ``tokenizer.json``, ``provenance.json``) and ``common/model/weights
 (its DFLASH draft); ``--model <name>`` and ``--draft <name>`` resolve to those directories and
 then load like any checkpoint. How the weights are rebuilt: docs/training.md.
 
-Nothing here imports torch: the CLI reads the default model name before any model loads.
+Nothing here imports torch: the CLI reads the default model name before any model loads, and
+the router reads a model's config (:func:`load_config`) without loading the model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.config import ModelConfig
+from common.model.builtin import TINY_NAME, tiny_config
+from common.model.family_registry import read_model_config
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 TINY = "tiny"
@@ -67,6 +72,13 @@ def resolve_model(name_or_path: str) -> str:
     if checkpoint is None:
         return name_or_path
     return str(_present(checkpoint.target_dir, f"built-in model {name_or_path!r}"))
+
+
+def load_config(name_or_path: str) -> ModelConfig:
+    """The config of ``tiny``, a built-in checkpoint by name, or a checkpoint directory."""
+    if name_or_path == TINY_NAME:
+        return tiny_config()
+    return read_model_config(resolve_model(name_or_path))
 
 
 def resolve_draft(name_or_path: str) -> str:

@@ -52,7 +52,7 @@ def check_tp_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--tp must be at least 1, got {args.tp}")
     if args.tp == 1:
         return
-    from common.model.load import load_config
+    from common.model.registry import load_config
     from common.parallel.shard_plan import ShardPlan
 
     ShardPlan.for_rank(load_config(args.model), 0, args.tp,

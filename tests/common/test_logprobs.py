@@ -1,13 +1,13 @@
-"""common/logprobs.py: the log-probabilities of a step's rows, and the checks on what a request
-asks for."""
+"""common/logprobs.py (the checks on what a request asks for) and common/engine/step_logprobs.py
+(the log-probabilities of a step's rows)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from common.logprobs import (MAX_LOGPROBS, StepLogprobs, TokenLogprobs, check_asked,
-                             check_num_logprobs, logprobs_per_row)
+from common.engine.step_logprobs import StepLogprobs, logprobs_per_row
+from common.logprobs import MAX_LOGPROBS, TokenLogprobs, check_asked, check_num_logprobs
 from common.sampling import SamplingParams
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.handoff.chunk_codec import encode_chunk
-from common.model.load import load_config
+from common.model.registry import load_config
 from common.parallel.rank_streams import RankStreamPlan, held_ranges
 from decode_service.band_receiver import BandReceiver
 from decode_service.tcp_listener import TcpHandoffListener

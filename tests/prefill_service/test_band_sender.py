@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from common.model.load import load_config
+from common.model.registry import load_config
 from common.parallel.rank_streams import RankStreamPlan
 from prefill_service.band_sender import BandSender
 from tests.ports import closed_port

@@ -18,7 +18,8 @@ from benchmarks.shapes import QWEN3_5_4B, QWEN3_5_4B_DRAFT
 from common.engine.llm_engine import EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
 from common.model.dflash import load_draft
-from common.model.load import load_config, load_model
+from common.model.load import load_model
+from common.model.registry import load_config
 from common.model.kernels import select_kernels
 from common.sampling import SamplingParams
 from router.cluster import Cluster, ClusterConfig

@@ -1,16 +1,24 @@
 """What a model family declares: its config defaults and fixed choices, its wrapper class and its
 weight-name rules. One module per family under ``common/model/families/`` builds one
-:class:`ModelFamily`; ``common/model/family_registry.py`` lists those modules."""
+:class:`ModelFamily`; ``common/model/family_registry.py`` lists those modules.
+
+A family module is plain data, without torch: the router parses configs with it. The family's
+model code (its wrapper class and weight rules) is a module of its own, ``model_module``, imported
+on first use of :attr:`ModelFamily.wrapper` or :attr:`ModelFamily.weight_rules`."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from common.config import ConfigError, ModelConfig
-from common.model.qwen3_5 import HybridForCausalLM
-from common.model.weight_rules import WeightRule
+
+if TYPE_CHECKING:
+    from common.model.qwen3_5 import HybridForCausalLM
+    from common.model.weight_rules import WeightRule
 
 # keys a wrapper config (vision-language ``config.json``) may keep at its top level only
 _INHERITED_BY_TEXT = ("eos_token_id", "bos_token_id", "torch_dtype", "dtype")
@@ -25,28 +33,39 @@ class ModelFamily:
     under ``text_config`` (None when the family has no wrapper).
     ``defaults``: transformers' documented default per field, used only where a config omits it.
     ``fixed``: fields the family decides whatever the file says (its layer choices).
-    ``wrapper``: the causal-LM class built for this family.
+    ``model_module``: the module of the family's model code: ``WRAPPER``, the causal-LM class
+    built for this family, and ``WEIGHT_RULES``, tried in order on each renamed tensor name
+    (``common/model/weight_rules.py``).
     ``skipped_prefixes``: checkpoint tensors not served (vision tower, MTP head).
     ``renamed_prefixes``: (checkpoint prefix, ours) pairs applied before the weight rules.
-    ``weight_rules``: tried in order on each renamed tensor name (``common/model/weight_rules.py``).
     """
 
     text_model_type: str
-    wrapper: type[HybridForCausalLM]
+    model_module: str
     defaults: Mapping[str, object]
     wrapper_model_type: str | None = None
     fixed: Mapping[str, object] = field(default_factory=dict)
     skipped_prefixes: tuple[str, ...] = ()
     renamed_prefixes: tuple[tuple[str, str], ...] = ()
-    weight_rules: tuple[WeightRule, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.wrapper.model_types != (self.text_model_type,):
-            raise ValueError(f"{self.wrapper.__name__} serves {self.wrapper.model_types}, not "
-                             f"the family's {self.text_model_type!r}")
         # read-only views: a family is shared by every config it parses
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
         object.__setattr__(self, "fixed", MappingProxyType(dict(self.fixed)))
+
+    @property
+    def wrapper(self) -> type[HybridForCausalLM]:
+        """The causal-LM class built for this family (imports its model code, and torch)."""
+        wrapper = importlib.import_module(self.model_module).WRAPPER
+        if wrapper.model_types != (self.text_model_type,):
+            raise ValueError(f"{wrapper.__name__} serves {wrapper.model_types}, not the "
+                             f"family's {self.text_model_type!r}")
+        return wrapper
+
+    @property
+    def weight_rules(self) -> tuple[WeightRule, ...]:
+        """The family's weight rules, tried in order on each renamed checkpoint tensor name."""
+        return tuple(importlib.import_module(self.model_module).WEIGHT_RULES)
 
     @property
     def model_types(self) -> tuple[str, ...]:

@@ -11,23 +11,15 @@ sits under ``text_config`` (only the text model is served).
 from __future__ import annotations
 
 from common.model.families.family import ModelFamily
-from common.model.qwen3_5 import HybridForCausalLM
 
 MODEL_TYPE = "qwen3_5_text"
 VISION_LANGUAGE_SKIPPED = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 VISION_LANGUAGE_RENAMED = (("model.language_model.", "model."),)
 
-
-class Qwen3_5ForCausalLM(HybridForCausalLM):
-    """Qwen3.5 dense text model: every layer's MLP is a SwiGLU."""
-
-    model_types = (MODEL_TYPE,)
-
-
 FAMILY = ModelFamily(
     text_model_type=MODEL_TYPE,
     wrapper_model_type="qwen3_5",
-    wrapper=Qwen3_5ForCausalLM,
+    model_module="common.model.families.qwen3_5_model",
     # transformers' Qwen3_5TextConfig defaults
     defaults=dict(
         vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,

@@ -15,22 +15,13 @@ from __future__ import annotations
 
 from common.model.families.family import ModelFamily
 from common.model.families.qwen3_5 import VISION_LANGUAGE_RENAMED, VISION_LANGUAGE_SKIPPED
-from common.model.qwen3_5 import HybridForCausalLM
-from common.model.weight_rules import per_expert_slices
 
 MODEL_TYPE = "qwen3_5_moe_text"
-
-
-class Qwen3_5MoeForCausalLM(HybridForCausalLM):
-    """Qwen3.5-MoE text model: every layer's MLP is routed experts plus a shared expert."""
-
-    model_types = (MODEL_TYPE,)
-
 
 FAMILY = ModelFamily(
     text_model_type=MODEL_TYPE,
     wrapper_model_type="qwen3_5_moe",
-    wrapper=Qwen3_5MoeForCausalLM,
+    model_module="common.model.families.qwen3_5_moe_model",
     # transformers' Qwen3_5MoeTextConfig defaults
     defaults=dict(
         vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
@@ -45,5 +36,4 @@ FAMILY = ModelFamily(
     fixed=dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=()),
     skipped_prefixes=VISION_LANGUAGE_SKIPPED,
     renamed_prefixes=VISION_LANGUAGE_RENAMED,
-    weight_rules=(per_expert_slices,),
 )

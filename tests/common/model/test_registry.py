@@ -10,7 +10,8 @@ import torch
 from common.chat_template import load_chat_template
 from common.model import registry
 from common.model.dflash import load_draft
-from common.model.load import load_config, load_model, weights_identity
+from common.model.load import load_model, weights_identity
+from common.model.registry import load_config
 from common.tokenizer import HFTokenizer, load_tokenizer
 from common.training.bpe import save_tokenizer, train_bpe
 from tests.common.model.checkpoints import make_checkpoint

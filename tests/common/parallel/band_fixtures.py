@@ -17,7 +17,7 @@ def store():
 
 @pytest.fixture
 def config():
-    from common.model.load import load_config
+    from common.model.registry import load_config
 
     return load_config("tiny")
 

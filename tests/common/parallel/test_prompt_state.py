@@ -11,7 +11,7 @@ import torch
 from common.engine.factory import EngineSettings, build_engine
 from common.engine.llm_engine import CacheConfig, EngineConfig
 from common.model.forward_batch import ForwardMode
-from common.model.load import load_config
+from common.model.registry import load_config
 from common.parallel import prompt_state
 from common.parallel.launch import LocalGroup
 from common.parallel.prompt_state import PromptState

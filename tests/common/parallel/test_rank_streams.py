@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from common.handoff.bands import Band
-from common.model.load import load_config
+from common.model.registry import load_config
 from common.parallel.rank_streams import (bands_from, bands_to, held_ranges, local_start,
                                           owned_pieces, transfers)
 from common.parallel.shard_plan import ShardingError

@@ -1,13 +1,11 @@
+"""The sampler (common/engine/sampler.py) and the sampling parameters it applies
+(common/sampling.py)."""
+
 import pytest
 import torch
 
-from common.sampling import (
-    Sampler,
-    SamplingParams,
-    filtered_probs,
-    make_generator,
-    stop_reason,
-)
+from common.engine.sampler import Sampler, filtered_probs, make_generator
+from common.sampling import SamplingParams, stop_reason
 
 
 def _logits(n: int, v: int, seed: int = 0) -> torch.Tensor:
