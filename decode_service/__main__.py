@@ -13,7 +13,8 @@ from common.metrics.tls import metrics_ssl_context
 from common.parallel.worker_group import (handoff_transport, shares_pools_at,
                                           takes_rank_streams)
 from common.security import Security
-from common.worker_args import add_worker_args, run_worker, worker_engine
+from common.worker_args import run_worker, worker_engine
+from common.worker_flags import add_worker_args
 from decode_service.follower_bands import DecodeFollowerBands
 from decode_service.server import build_decode_service
 

@@ -14,7 +14,8 @@ from common.parallel.worker_group import (handoff_transport, shares_pools_at,
 from common.pb.flashsplit.v1 import prefill_pb2_grpc
 from common.security import Security
 from common.shutdown import GracefulShutdown
-from common.worker_args import add_worker_args, run_worker, worker_engine
+from common.worker_args import run_worker, worker_engine
+from common.worker_flags import add_worker_args
 from prefill_service.follower_bands import PrefillFollowerBands
 from prefill_service.band_sender import BandSender
 from prefill_service.leader_bands import PrefillRankStreams

@@ -23,7 +23,7 @@ _DESCRIPTION = ("flashsplit serves hybrid Gated-DeltaNet models (Qwen3.5, Qwen3-
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    from common.worker_args import add_kernel_args
+    from common.worker_flags import add_kernel_args
 
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="checkpoint directory, or a built-in name: 'tiny' (random weights) or "
@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _worker_flag_help() -> dict[str, str]:
     """Each worker flag's help text, defaults filled in, for ``up``'s copies of them."""
-    from common.worker_args import add_worker_args
+    from common.worker_flags import add_worker_args
 
     worker = argparse.ArgumentParser(add_help=False, formatter_class=HelpFormatter)
     add_worker_args(worker)
@@ -167,7 +167,7 @@ def _worker_flag_help() -> dict[str, str]:
 
 def _worker_flag_choices() -> dict[str, tuple[str, ...]]:
     """The worker flags of ``_WORKER_FLAGS`` that take one of a fixed set of values."""
-    from common.parallel.worker_group import TP_HANDOFF_PATHS
+    from common.worker_flags import TP_HANDOFF_PATHS
 
     return {"--tp-handoff": TP_HANDOFF_PATHS}
 

@@ -24,27 +24,6 @@ from common.parallel.launch import LocalGroup
 
 log = logging.getLogger(__name__)
 
-TP_HANDOFF_PATHS = ("auto", "ranks", "leader")
-
-
-def add_tp_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="shard the model over N processes on this host (tensor parallelism): "
-                        "this process is rank 0 and serves; it starts the other N-1 "
-                        "(docs/tensor_parallel.md). On the CPU they share the host's cores")
-    p.add_argument("--tp-handoff", choices=TP_HANDOFF_PATHS, default="auto",
-                   help="how a handoff's state moves when either end is sharded: 'ranks' (each "
-                        "rank sends or lands its own heads on a TCP stream of its own; a "
-                        "handoff the other end cannot take so fails), 'leader' (everything "
-                        "gathered to, or scattered from, rank 0), 'auto' (ranks where both "
-                        "ends can, else leader). Per-rank streams need TCP: not with TLS nor "
-                        "--handoff-transport stream (docs/tensor_parallel.md) (default: "
-                        "%(default)s)")
-    p.add_argument("--expert-parallel", action="store_true",
-                   help="with --tp: place a MoE model's routed experts whole on the ranks "
-                        "(default: each expert's matrices split over them)")
-
-
 def check_tp_args(args: argparse.Namespace) -> None:
     """Raises ValueError (ShardingError: what does not divide) for a ``--tp`` that cannot
     serve this model with these flags."""

@@ -6,8 +6,7 @@ import argparse
 import sys
 
 from common.cli_help import HelpFormatter
-from common.training.draft_setup import DraftArch
-from common.training.train_draft import DraftTrainConfig
+from common.training.draft_config import DraftArch, DraftTrainConfig
 
 
 def add_train_draft_parser(sub) -> argparse.ArgumentParser:

@@ -5,7 +5,6 @@ written (``config.json`` + ``model.safetensors``, loadable by ``load_draft`` and
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,42 +14,9 @@ from common.config import ModelConfig
 from common.model.dflash import DFlashDraftModel
 from common.model.dflash_config import DRAFT_ARCHITECTURE, build_target_layer_ids
 from common.tokenizer import Tokenizer
+from common.training.draft_config import DraftArch
 
 MASK_TOKEN_NAMES = ("<|mask|>", "<|MASK|>", "<mask>")
-
-
-@dataclass(frozen=True)
-class DraftArch:
-    """The draft's shape; None fields follow the target.
-
-    Args:
-        num_layers: draft decoder layers.
-        block_size: B, the block it is trained for (it also serves smaller blocks).
-        target_layer_ids: captured target layers (default: z-lab's rule for ``num_layers``,
-            without repeats).
-        mask_token_id: default: the tokenizer's mask token, else the first id of the model's
-            vocabulary past the tokenizer's (an embedding row no text uses).
-        num_heads / num_kv_heads: default: the target's attention head counts.
-        head_dim: 128 by default, as in z-lab's drafts.
-        intermediate_size: default: the target's (3 x hidden for a MoE target).
-        rope_theta: default: the target's.
-    """
-
-    num_layers: int = 2
-    block_size: int = 16
-    target_layer_ids: tuple[int, ...] | None = None
-    mask_token_id: int | None = None
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int = 128
-    intermediate_size: int | None = None
-    rope_theta: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"a draft needs at least one layer, got {self.num_layers}")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be at least 2, got {self.block_size}")
 
 
 def resolve_mask_token_id(requested: int | None, tokenizer: Tokenizer | None,

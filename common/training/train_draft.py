@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,10 +26,11 @@ from common.model.dflash_config import DFlashConfig
 from common.training.capture import HiddenCapture
 from common.training.curves import plot_curves, smooth
 from common.training.draft_forward import block_loss, sample_anchors
-from common.training.draft_setup import (DraftArch, draft_config_dict, init_draft_weights,
+from common.training.draft_config import DraftTrainConfig
+from common.training.draft_setup import (draft_config_dict, init_draft_weights,
                                          resolve_mask_token_id, save_draft)
 from common.training.provenance import PROVENANCE_FILE, environment, write_json
-from common.training.schedule import BudgetBar, Budget, Clock, CosineSchedule
+from common.training.schedule import BudgetBar, Clock, CosineSchedule
 from common.training.token_data import WindowSampler, read_documents, token_stream
 
 STATE_FILE = "training_state.pt"
@@ -38,51 +38,6 @@ STATE_FILE = "training_state.pt"
 _RUN_FIELDS = ("target", "data", "arch", "seq_len", "batch_size", "num_anchors", "lr",
                "weight_decay", "warmup", "min_lr_ratio", "grad_clip", "loss_decay_gamma",
                "seed", "target_dtype")
-
-
-@dataclass(frozen=True)
-class DraftTrainConfig:
-    """Args:
-        target: checkpoint directory or built-in name of the target.
-        data: training data (``common.training.token_data``).
-        out: output directory.
-        seq_len: tokens per window; anchors lie in ``1 .. seq_len - block_size``.
-        batch_size: windows per step; num_anchors: blocks per window.
-        dtype: of the saved weights (default: the target's).
-        target_dtype: the target's compute dtype (default: its config's).
-        kernels: the target's kernel set ("auto": "gpu" on CUDA, else "reference").
-    """
-
-    target: str
-    data: str
-    out: str
-    budget: Budget
-    arch: DraftArch = field(default_factory=DraftArch)
-    seq_len: int = 512
-    batch_size: int = 8
-    num_anchors: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    warmup: float = 0.03
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    loss_decay_gamma: float | None = 7.0
-    checkpoint_every: int = 200
-    device: str = "cpu"
-    dtype: str | None = None
-    target_dtype: str | None = None
-    kernels: str = "auto"
-    seed: int = 0
-    resume: bool = False
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.seq_len <= self.arch.block_size:
-            raise ValueError(f"seq_len {self.seq_len} must exceed the block size "
-                             f"{self.arch.block_size}")
-        for name in ("batch_size", "num_anchors", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 def checkpoint_path(out: str | Path) -> Path:

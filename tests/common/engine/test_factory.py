@@ -16,7 +16,8 @@ from common.handoff.layout import LayoutDescriptor, model_fingerprint
 from common.model.dflash import load_draft
 from common.model.load import eos_token_ids_for, load_model, weights_identity
 from common.sampling import SamplingParams
-from common.worker_args import add_worker_args, engine_config_from_args, engine_settings_from_args
+from common.worker_args import engine_config_from_args, engine_settings_from_args
+from common.worker_flags import add_worker_args
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)

@@ -20,7 +20,8 @@ from common.engine.scheduler import SchedulerConfig
 from common.model.dflash import load_draft
 from common.model.load import load_model
 from common.sampling import SamplingParams
-from common.worker_args import add_worker_args, engine_settings_from_args, pool_request_from_args
+from common.worker_args import engine_settings_from_args, pool_request_from_args
+from common.worker_flags import add_worker_args
 
 MIB = 1 << 20
 

@@ -9,7 +9,8 @@ from common.model.dflash import DFlashDraftModel, load_draft
 from common.model.dflash_config import DFlashConfig
 from common.model.load import load_model
 from common.tokenizer import ByteTokenizer, TokenIdsOnly
-from common.training.draft_setup import (DraftArch, draft_config_dict, init_draft_weights,
+from common.training.draft_config import DraftArch
+from common.training.draft_setup import (draft_config_dict, init_draft_weights,
                                          resolve_mask_token_id, save_draft)
 
 

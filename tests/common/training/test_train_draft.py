@@ -14,9 +14,9 @@ from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.model.dflash import DraftKVPool, load_draft
 from common.model.load import load_model
 from common.sampling import SamplingParams
-from common.training.draft_setup import DraftArch
+from common.training.draft_config import DraftArch, DraftTrainConfig
 from common.training.schedule import Budget
-from common.training.train_draft import DraftTrainConfig, train_draft
+from common.training.train_draft import train_draft
 from router.cli import main as flashsplit
 
 B = 6

@@ -16,9 +16,9 @@ from common.model.dflash import load_draft
 from common.model.load import load_model
 from common.model.kernels import select_kernels
 from common.sampling import SamplingParams
-from common.training.draft_setup import DraftArch
+from common.training.draft_config import DraftArch, DraftTrainConfig
 from common.training.schedule import Budget
-from common.training.train_draft import DraftTrainConfig, train_draft
+from common.training.train_draft import train_draft
 from common.training.train_target import PYCODER_ARCH
 
 pytestmark = pytest.mark.gpu
