@@ -87,6 +87,26 @@ def _conv4(x0, x1, x2, x3, w0, w1, w2, w3):
 
 
 @triton.jit
+def _delta_step(b_h, b_k, b_v, x, bv, alog, THRESHOLD: tl.constexpr):
+    """One token of the gated delta rule on the state block: ``x`` is the raw ``a`` plus
+    dt_bias, ``bv`` the raw ``b``; k is l2-normalised here."""
+    sp = tl.where(x > THRESHOLD, x, log1p(exp(tl.minimum(x, THRESHOLD))))
+    b_g = -exp(alog) * sp
+    b_beta = tl.math.div_rn(1.0, 1.0 + exp(-bv))
+    b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))
+    b_h = b_h * tl.exp(b_g)
+    b_delta = (b_v - tl.sum(b_h * b_k[:, None], 0)) * b_beta
+    return b_h + b_k[:, None] * b_delta[None, :]
+
+
+@triton.jit
+def _output(b_h, b_q, scale):
+    """A token's output from the state after it: q l2-normalised and scaled."""
+    b_q = b_q * (1.0 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)) * scale
+    return tl.sum(b_h * b_q[:, None], 0)
+
+
+@triton.jit
 def replay_kernel(
     qkv, q_l, stride_r, a, a_l, stride_a, b, b_l, stride_b, lengths, cu, slots,
     conv, c_l, c_s, c_d, c_w, w, w_l, stride_wd, A_log, al_l, dt_bias, dt_l,
@@ -165,21 +185,13 @@ def replay_kernel(
                 tl.float32)
             k0, k1, k2 = k1, k2, k3
             v0, v1, v2 = v1, v2, v3
-            sp = tl.where(x > THRESHOLD, x, log1p(exp(tl.minimum(x, THRESHOLD))))
-            b_g = -exp(alog) * sp
-            b_beta = tl.math.div_rn(1.0, 1.0 + exp(-bv))
-            b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))
-            b_h = b_h * tl.exp(b_g)
-            b_delta = (b_v - tl.sum(b_h * b_k[:, None], 0)) * b_beta
-            b_h = b_h + b_k[:, None] * b_delta[None, :]
+            b_h = _delta_step(b_h, b_k, b_v, x, bv, alog, THRESHOLD)
             if OUTPUT:
                 b_q = _conv4(q0, q1, q2, q3, wq0, wq1, wq2, wq3).to(qkv.dtype.element_ty).to(
                     tl.float32)
                 q0, q1, q2 = q1, q2, q3
-                b_q = b_q * (1.0 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)) * scale
-                b_o = tl.sum(b_h * b_q[:, None], 0)
-                tl.store(o + ((row0 + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty),
-                         mask=m_v)
+                tl.store(o + ((row0 + t) * HV + i_hv) * V + o_v,
+                         _output(b_h, b_q, scale).to(o.dtype.element_ty), mask=m_v)
     else:
         for t in range(0, length):
             b_k = _conv_taps(qkv, stride_r, conv, i_s, c_s, c_d, c_w, w, stride_wd, row0, t, ch_k,
@@ -187,21 +199,13 @@ def replay_kernel(
             b_v = _conv_taps(qkv, stride_r, conv, i_s, c_s, c_d, c_w, w, stride_wd, row0, t, ch_v,
                              m_v, W)
             x = tl.load(a + (row0 + t) * stride_a + i_hv).to(tl.float32) + bias
-            sp = tl.where(x > THRESHOLD, x, log1p(exp(tl.minimum(x, THRESHOLD))))
-            b_g = -exp(alog) * sp
             bv = tl.load(b + (row0 + t) * stride_b + i_hv).to(tl.float32)
-            b_beta = tl.math.div_rn(1.0, 1.0 + exp(-bv))
-            b_k = b_k * (1.0 / tl.sqrt(tl.sum(b_k * b_k) + 1e-6))
-            b_h = b_h * tl.exp(b_g)
-            b_delta = (b_v - tl.sum(b_h * b_k[:, None], 0)) * b_beta
-            b_h = b_h + b_k[:, None] * b_delta[None, :]
+            b_h = _delta_step(b_h, b_k, b_v, x, bv, alog, THRESHOLD)
             if OUTPUT:
                 b_q = _conv_taps(qkv, stride_r, conv, i_s, c_s, c_d, c_w, w, stride_wd, row0, t,
                                  ch_q, m_k, W)
-                b_q = b_q * (1.0 / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)) * scale
-                b_o = tl.sum(b_h * b_q[:, None], 0)
-                tl.store(o + ((row0 + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty),
-                         mask=m_v)
+                tl.store(o + ((row0 + t) * HV + i_hv) * V + o_v,
+                         _output(b_h, b_q, scale).to(o.dtype.element_ty), mask=m_v)
     if STORE:
         tl.store(p_h, b_h.to(ssm.dtype.element_ty), mask=m_h)
 
