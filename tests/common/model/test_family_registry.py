@@ -1,4 +1,5 @@
-"""Model families by model_type: lookup, the error for an unknown type, and each family's parse."""
+"""Model families by model_type: lookup, the error for an unknown type, each family's parse, and
+the model code kept apart from it."""
 
 from __future__ import annotations
 
@@ -83,3 +84,29 @@ def test_checkpoint_names_follow_the_family():
     assert vision_language.checkpoint_name("model.visual.blocks.0.attn.qkv.weight") is None
     assert qwen3_next.checkpoint_name("mtp.fc.weight") is None
     assert qwen3_next.checkpoint_name("model.norm.weight") == "model.norm.weight"
+
+
+def test_parsing_every_family_imports_no_model_code():
+    """The router parses configs: families are plain data, their model code a module apart."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from common.model.family_registry import families\n"
+            f"text = {TEXT!r}\n"
+            "for f in families():\n"
+            "    f.parse({**text, 'model_type': f.text_model_type})\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m.endswith('_model'))\n"
+            "print(loaded)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_model_module_whose_wrapper_serves_another_type_is_an_error():
+    from common.model.families.family import ModelFamily
+
+    family = ModelFamily(text_model_type="qwen3_next",
+                         model_module="common.model.families.qwen3_5_model", defaults={})
+    with pytest.raises(ValueError, match="qwen3_5_text"):
+        family.wrapper
