@@ -143,6 +143,7 @@ def load_weights(params: dict[str, torch.Tensor], checkpoint_dir: str | Path, co
     bar = progress_bar(sum(len(names) for names in files.values()), "Loading weights",
                        "tensor", enabled=progress)
 
+    rules = family.weight_rules  # from the family's model module: read once, not per tensor
     with torch.no_grad(), bar:
         for raw_name, source in _iter_slices(files):
             bar.update()
@@ -154,7 +155,7 @@ def load_weights(params: dict[str, torch.Tensor], checkpoint_dir: str | Path, co
                 raise WeightLoadError(
                     f"checkpoint tensor {raw_name!r} has shape {list(shape)}, but parameter "
                     f"{name!r} of the full model is {list(full_shapes[name])}")
-            for piece in _route(name, shape, config, family.weight_rules, plan):
+            for piece in _route(name, shape, config, rules, plan):
                 param = params.get(piece.param)
                 if param is None:
                     target = "" if piece.param == raw_name else f" (as {piece.param!r})"
