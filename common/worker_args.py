@@ -49,7 +49,8 @@ def cuda_graph_from_args(args: argparse.Namespace) -> CudaGraphConfig:
     if args.cuda_graph_max_bs < 1:
         raise ValueError(f"--cuda-graph-max-bs must be at least 1, got {args.cuda_graph_max_bs}")
     return CudaGraphConfig(enabled=not args.disable_cuda_graph,
-                           max_batch_size=args.cuda_graph_max_bs)
+                           max_batch_size=args.cuda_graph_max_bs,
+                           tensor_parallel=getattr(args, "tp_cuda_graphs", False))
 
 
 def engine_settings_from_args(args: argparse.Namespace, *, prefill: bool) -> EngineSettings:

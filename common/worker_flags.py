@@ -17,7 +17,7 @@ from common.model.registry import DEFAULT_MODEL
 from common.progress import NO_PROGRESS_ENV
 from common.security import add_security_args
 
-__all__ = ["TP_HANDOFF_PATHS", "add_cuda_graph_args", "add_kernel_args", "add_progress_arg",
+__all__ = ["TP_CUDA_GRAPHS_HELP", "TP_HANDOFF_PATHS", "add_cuda_graph_args", "add_kernel_args", "add_progress_arg",
            "add_tp_arg", "add_worker_args"]
 
 TP_HANDOFF_PATHS = ("auto", "ranks", "leader")
@@ -39,6 +39,14 @@ def add_tp_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tp: place a MoE model's routed experts whole on the ranks "
                         "(default: each expert's matrices split over them)")
+    p.add_argument("--tp-cuda-graphs", action="store_true",
+                   help=TP_CUDA_GRAPHS_HELP)
+
+
+TP_CUDA_GRAPHS_HELP = ("with --tp above 1 on GPUs: replay decode (and DFLASH verify) steps from "
+                       "CUDA graphs on every rank, NCCL collectives captured inside them, and "
+                       "overlap decode steps; off by default, as it has not yet run on "
+                       "several GPUs (docs/tensor_parallel.md)")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:

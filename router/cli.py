@@ -16,6 +16,7 @@ from common.sampling import SamplingParams
 from router.sampling_args import (add_sampling_args, logprobs_json, parse_ids,
                                   sampling_from_args, speculative_choice)
 from common.security import add_client_args, client_channel_from
+from common.worker_flags import TP_CUDA_GRAPHS_HELP
 
 _DESCRIPTION = ("flashsplit serves hybrid Gated-DeltaNet models (Qwen3.5, Qwen3-Next) with "
                 "prefill and decode as separate gRPC services behind a router. "
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--expert-parallel", action="store_true",
                      help="with --tp: place a MoE model's routed experts whole on the ranks "
                           "(default: each expert's matrices split over them)")
+    gen.add_argument("--tp-cuda-graphs", action="store_true", help=TP_CUDA_GRAPHS_HELP)
     add_client_args(gen.add_argument_group("with --router: the router port's API key and TLS"))
 
     up = sub.add_parser("up", help="start prefill and decode workers and a router on this host",
@@ -116,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"every worker's: {worker_help['--disable-overlap-schedule']}")
     up.add_argument("--expert-parallel", action="store_true",
                     help=f"every worker's: {worker_help['--expert-parallel']}")
+    up.add_argument("--tp-cuda-graphs", action="store_true",
+                    help=f"every worker's: {worker_help['--tp-cuda-graphs']}")
     up.add_argument("--start-timeout", type=float, default=600.0,
                     help="seconds each process may take to become ready")
     up.add_argument("--grace", type=float, default=5.0,
@@ -188,7 +192,8 @@ def run_local(args: argparse.Namespace, prompts: list[list[int]],
         raise ValueError(f"--tp must be at least 1, got {args.tp}")
     group = LocalGroup(args.tp, args.device)
     # graphs for the batch sizes this run can have (captured by the warm-up, on a GPU only)
-    graphs = CudaGraphConfig(max_batch_size=max(1, len(prompts)))
+    graphs = CudaGraphConfig(max_batch_size=max(1, len(prompts)),
+                             tensor_parallel=args.tp_cuda_graphs)
     settings = EngineSettings(model=args.model, draft=args.draft, block_size=args.block_size,
                               dtype=dtype_from_args(args), kernels=args.kernels,
                               engine=EngineConfig(device=group.device, cuda_graph=graphs),
@@ -285,7 +290,8 @@ def cluster_config_from_args(args: argparse.Namespace):
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             worker_args += [flag, str(value)]
-    for flag in ("--disable-cuda-graph", "--disable-overlap-schedule", "--expert-parallel"):
+    for flag in ("--disable-cuda-graph", "--disable-overlap-schedule", "--expert-parallel",
+                 "--tp-cuda-graphs"):
         if getattr(args, flag.lstrip("-").replace("-", "_")):
             worker_args.append(flag)
     devices = tuple(d for d in (args.device or "").split(",") if d)

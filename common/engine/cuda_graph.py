@@ -21,17 +21,21 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.cache.kv_pool import KVPool
 from common.cache.state_pool import GDNStatePool
+from common.engine.errors import GroupOutOfStep
 from common.engine.request import Request
 from common.engine.static_inputs import StaticInputs
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
 from common.progress import progress_bar
+
+if TYPE_CHECKING:
+    from common.parallel.followers import FollowerLink
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +57,17 @@ class CudaGraphConfig:
         commit_graphs: a greedy DFLASH step's acceptance and GDN commit replay from a graph
             of their own after the verify graph (``common/engine/commit_graph.py``); False
             launches them one by one, the baseline it is measured against.
+        tensor_parallel: capture graphs of a tensor-parallel model too, NCCL collectives
+            inside them (``--tp-cuda-graphs``). Off by default: it has not run on several GPUs
+            yet (docs/tensor_parallel.md); the uncaptured variant (``capture=False``) needs no
+            opt-in.
     """
 
     enabled: bool = True
     max_batch_size: int = 256
     capture: bool = True
     commit_graphs: bool = True
+    tensor_parallel: bool = False
 
     def batch_sizes(self, max_running: int) -> tuple[int, ...]:
         top = max(1, min(self.max_batch_size, max_running))
@@ -87,13 +96,19 @@ class GraphRunner:
 
     ``after_forward(out, batch)``, when given, runs right after the forward on every row of the
     padded batch, inside the same graph (DFLASH extends its draft context there).
+
+    ``followers``: rank 0's link to a tensor-parallel group's other ranks. Each of them then
+    holds a runner of the same sizes over its own shard (``common/parallel/follower_graphs.py``),
+    captures when this one does, and replays each step this one replays, so the collectives
+    inside the graphs meet. Input ids written on the device reach them by a broadcast of the
+    graph's id buffer just before the replay.
     """
 
     def __init__(self, model: HybridForCausalLM, kv_pool: KVPool, state_pool: GDNStatePool, *,
                  batch_sizes: Sequence[int], mode: ForwardMode = ForwardMode.DECODE,
                  q_len: int = 1, capture: bool = True,
-                 after_forward: Callable[[ModelOutput, ForwardBatch], None] | None = None
-                 ) -> None:
+                 after_forward: Callable[[ModelOutput, ForwardBatch], None] | None = None,
+                 followers: FollowerLink | None = None) -> None:
         if mode == ForwardMode.DECODE and q_len != 1:
             raise ValueError("a DECODE graph has one new token per request")
         if mode == ForwardMode.EXTEND:
@@ -117,6 +132,9 @@ class GraphRunner:
         self.outputs: dict[int, ModelOutput] = {}
         self.captured = not capture  # the eager variant needs no capture
         self._planned: torch.cuda.Event | None = None
+        self.followers = followers
+        if followers is not None:
+            followers.make_graphs(mode, q_len, self.batch_sizes, capture)
 
     def serves(self, num_requests: int) -> bool:
         return self.captured and 0 < num_requests <= self.batch_sizes[-1]
@@ -139,7 +157,8 @@ class GraphRunner:
         """Capture one graph per batch size (largest first, sharing one memory pool)."""
         if not self.capture_graphs or self.captured:
             return
-
+        if self.followers is not None:  # their warm-ups and captures meet ours' collectives
+            self.followers.capture_graphs(self.mode, self.q_len)
         self.graphs, self.outputs = capture_graphs(
             self.batch_sizes, prepare=self.pad,
             forward=lambda bs: self._forward(self.batches[bs]),
@@ -167,16 +186,46 @@ class GraphRunner:
         batch (for a VERIFY commit).
         Does not advance ``num_cached``.
         """
-        n = len(requests)
+        starts = [r.num_cached for r in requests]
+        pages = [r.page_ids[:self.kv_pool.pages_for(s + self.q_len)]
+                 for r, s in zip(requests, starts)]
+        return self.replay(starts, pages, [r.slot for r in requests], token_ids,
+                           device_ids=device_ids, tables=[r.page_ids for r in requests])
+
+    def replay(self, starts: Sequence[int], pages: Sequence[Sequence[int]],
+               slots: Sequence[int], token_ids: Sequence[Sequence[int]] | None, *,
+               device_ids: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+               ids_from_leader: bool = False, tables: list[list[int]] | None = None
+               ) -> tuple[ModelOutput, ForwardBatch]:
+        """:meth:`run` of rows given by their cached lengths, pages and state slots (what a
+        tensor-parallel follower is sent). ``ids_from_leader``: a follower's ids are rank 0's,
+        broadcast on the device (rank 0 wrote them there). ``tables``: on rank 0 with
+        followers, each row's request's whole page list (``FollowerLink.replay_graph``)."""
+        n = len(starts)
         bs = self.padded_size(n)
         q_len, page_size = self.q_len, self.kv_pool.page_size
-        seq_lens = [r.num_cached + q_len for r in requests]
-        pages = [r.page_ids[:self.kv_pool.pages_for(s)] for r, s in zip(requests, seq_lens)]
-        self.inputs.fill(token_ids, [r.num_cached for r in requests], pages,
-                         [r.slot for r in requests], page_size)
+        seq_lens = [s + q_len for s in starts]
+        self.inputs.fill(token_ids, starts, pages, slots, page_size)
         if device_ids is not None:
             device_ids(self.inputs.input_ids[:n * q_len].view(n, q_len),
                        self.inputs.state_slots[:n])
+        if self.followers is None:
+            return self._replay(bs, pages, seq_lens, ids_from_leader)
+        ids_on_device = device_ids is not None
+        self.followers.replay_graph(self.mode, q_len, starts, pages, slots,
+                                    None if ids_on_device else token_ids,
+                                    pages if tables is None else tables)
+        try:
+            return self._replay(bs, pages, seq_lens, ids_on_device)
+        except Exception as exc:
+            raise GroupOutOfStep(f"a tensor-parallel graph replay failed on rank 0 after the "
+                                 f"followers were sent it: {type(exc).__name__}: {exc}") from exc
+
+    def _replay(self, bs: int, pages: list, seq_lens: list[int],
+                broadcast_ids: bool) -> tuple[ModelOutput, ForwardBatch]:
+        n, q_len = len(seq_lens), self.q_len
+        if broadcast_ids:
+            self.model.tp.broadcast_from_leader(self.inputs.input_ids[:bs * q_len])
         if self._planned is not None:
             # FlashInfer plans stage through one pinned host buffer: the previous plan's copy
             # must have left it (long done unless steps overlap, and then it is the step

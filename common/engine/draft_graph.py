@@ -24,12 +24,17 @@ class DraftGraphRunner:
 
     Args:
         capture: False runs the same buffers and padding eagerly (CPU tests).
+        vocab: the full input embedding and output weight the draft reads, where the target
+            holds only its rows of them (tensor parallelism); None: the target's own.
     """
 
     def __init__(self, draft: DFlashDraftModel, target: HybridForCausalLM, pool: DraftKVPool, *,
                  batch_sizes: Sequence[int], block_size: int, mask_token_id: int,
-                 capture: bool = True) -> None:
+                 capture: bool = True,
+                 vocab: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.draft, self.target, self.pool = draft, target, pool
+        self.embed, self.lm_head = vocab if vocab is not None else (
+            target.get_input_embeddings().weight, target.get_output_weight())
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.capture_graphs = capture
         device = pool.kv.device
@@ -56,8 +61,7 @@ class DraftGraphRunner:
         logits = self.draft.propose(
             block_ids=self.blocks[:bs], start_positions=self.starts[:bs],
             page_table=self.page_table[:bs], pool=self.pool,
-            embed=self.target.get_input_embeddings().weight,
-            lm_head=self.target.get_output_weight())
+            embed=self.embed, lm_head=self.lm_head)
         return logits.argmax(-1)
 
     def _fill(self, last_tokens: Sequence[int], starts: Sequence[int],

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the engine's own module imports this one
     from common.cache.state_pool import GDNStatePool
     from common.engine.llm_engine import EngineConfig
     from common.model.qwen3_5 import HybridForCausalLM
+    from common.parallel.followers import FollowerLink
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +30,10 @@ def graphs_apply(model: HybridForCausalLM, config: EngineConfig, token_cap: int 
     # a prefill worker never decodes: its requests leave after their first token
     if not graphs.enabled or config.hold_after_prefill or (graphs.capture and not on_gpu):
         return False
-    if model.tp.world_size > 1:
-        log.warning("CUDA graphs (and overlap scheduling) are off: they are not built for "
-                    "tensor parallelism yet; decode runs eagerly")
+    if model.tp.world_size > 1 and graphs.capture and not graphs.tensor_parallel:
+        log.warning("CUDA graphs (and overlap scheduling) are off under tensor parallelism "
+                    "unless --tp-cuda-graphs asks for them (NCCL inside graphs has not run on "
+                    "several GPUs here yet); decode runs eagerly")
         return False
     support = model.graph_support()
     if graphs.capture and token_cap == 0:
@@ -48,10 +50,13 @@ def graphs_apply(model: HybridForCausalLM, config: EngineConfig, token_cap: int 
 
 
 def decode_graph_runner(model: HybridForCausalLM, config: EngineConfig, kv_pool: KVPool,
-                        state_pool: GDNStatePool, token_cap: int | None) -> GraphRunner:
-    """The decode graphs: one per batch size up to the running requests (or ``token_cap``)."""
+                        state_pool: GDNStatePool, token_cap: int | None,
+                        followers: FollowerLink | None = None) -> GraphRunner:
+    """The decode graphs: one per batch size up to the running requests (or ``token_cap``);
+    ``followers``: rank 0's link to the other ranks of a tensor-parallel model, which replay
+    the same graphs."""
     running = config.scheduler.max_running_requests
     sizes = config.cuda_graph.batch_sizes(running if token_cap is None
                                           else min(running, token_cap))
     return GraphRunner(model, kv_pool, state_pool, batch_sizes=sizes,
-                       capture=config.cuda_graph.capture)
+                       capture=config.cuda_graph.capture, followers=followers)

@@ -92,11 +92,16 @@ class LLMEngine:
         self.kv_pool, self.state_pool = make_pools(model, config.cache, config.device)
         token_cap = self._graph_token_cap()
         graphs_on = graphs_apply(model, config, token_cap)
-        graphs = decode_graph_runner(model, config, self.kv_pool, self.state_pool,
-                                     token_cap) if graphs_on else None
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device,
-                                  graphs=graphs)
         sharded = model.tp.world_size > 1
+        followers = None
+        if sharded:
+            from common.parallel.followers import FollowerLink
+
+            followers = FollowerLink(model.tp)
+        graphs = decode_graph_runner(model, config, self.kv_pool, self.state_pool,
+                                     token_cap, followers) if graphs_on else None
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, config.device,
+                                  graphs=graphs, followers=followers)
         self.speculator = None if draft is None else DFlashSpeculator(
             model, draft, self.kv_pool, self.state_pool, block_size=block_size,
             max_requests=0 if config.hold_after_prefill

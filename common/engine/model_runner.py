@@ -21,11 +21,13 @@ class ModelRunner:
         graphs: replays DECODE steps it serves from CUDA graphs; others run eagerly.
 
     On rank 0 of a tensor-parallel model every forward is first sent to the followers
-    (``common/parallel/followers.py``), which run the same batch on their shards.
+    (``common/parallel/followers.py``), which run the same batch on their shards (a graph
+    replay is sent by the graph runner itself, which then has ``followers`` too).
     """
 
     def __init__(self, model: HybridForCausalLM, kv_pool: KVPool, state_pool: GDNStatePool,
-                 device: torch.device | str, graphs: GraphRunner | None = None) -> None:
+                 device: torch.device | str, graphs: GraphRunner | None = None,
+                 followers=None) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -35,10 +37,10 @@ class ModelRunner:
         if model.tp.world_size > 1:
             from common.parallel.followers import FollowerLink
 
-            if graphs is not None:
-                raise ValueError("CUDA graphs are not built for tensor parallelism yet: a "
-                                 "replay would not reach the followers")
-            self.followers = FollowerLink(model.tp)
+            if graphs is not None and graphs.followers is None:
+                raise ValueError("a tensor-parallel model's graphs need its followers, or a "
+                                 "replay would not reach them")
+            self.followers = followers if followers is not None else FollowerLink(model.tp)
 
     def batch_args(self, step: ScheduledStep, *, return_all_logits: bool = False) -> dict:
         """``ForwardBatch.build``'s arguments for ``step`` (all host values), less the device."""
@@ -55,15 +57,18 @@ class ModelRunner:
         return ForwardBatch.build(**self.batch_args(step, return_all_logits=return_all_logits),
                                   device=self.device)
 
-    def forward(self, batch_args: dict, *, after_layer=None) -> tuple[ModelOutput, ForwardBatch]:
+    def forward(self, batch_args: dict, *, after_layer=None,
+                tables: list[list[int]] | None = None) -> tuple[ModelOutput, ForwardBatch]:
         """One eager forward of the batch ``ForwardBatch.build(**batch_args)`` over the pools
-        (sent to the followers first, once the build has accepted it)."""
+        (sent to the followers first, once the build has accepted it). ``tables``: each row's
+        request's whole page list, so the followers are sent only the lists they lack
+        (``FollowerLink.forward``)."""
         batch = ForwardBatch.build(**batch_args, device=self.device)
         if self.followers is None:
             out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool,
                              after_layer=after_layer)
             return out, batch
-        self.followers.forward(batch_args)
+        self.followers.forward(batch_args, tables)
         try:
             out = self.model(batch, kv_pool=self.kv_pool, state_pool=self.state_pool,
                              after_layer=after_layer)
@@ -96,7 +101,8 @@ class ModelRunner:
             out, batch = self.graphs.run(step.requests, step.token_ids())
         else:
             out, batch = self.forward(self.batch_args(step, return_all_logits=return_all_logits),
-                                      after_layer=after_layer)
+                                      after_layer=after_layer,
+                                      tables=[r.page_ids for r in step.requests])
         for r, n in zip(step.requests, step.num_new_tokens):
             r.num_cached += n
         return out, batch

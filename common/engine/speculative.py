@@ -51,9 +51,11 @@ class DFlashSpeculator:
             :meth:`capture_graphs`), for batches of up to ``VERIFY_GRAPH_TOKENS // B`` requests.
         max_graph_tokens: a lower cap on the tokens of a captured verify, from the target's ops
             (none when it is below B).
-        runner: a tensor-parallel target's runner (rank 0's): the verify forward and the
-            commit go through it, so the followers run them too. The draft runs on rank 0
-            only, and acceptance is decided there, once.
+        runner: a tensor-parallel target's runner (rank 0's): the verify forward (eager, or
+            from graphs its followers replay too) and the commit go through it, so the
+            followers run them too. The draft runs on rank 0 only, and acceptance is decided
+            there, once; the greedy commit graphs are not used (a commit's lengths reach the
+            followers from the host).
         vocab: the full input embedding and output weight ``([V, H], [V, H])`` the draft
             reads, where the target holds only its rows of them (tensor parallelism).
     """
@@ -69,8 +71,6 @@ class DFlashSpeculator:
                  vocab: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.target, self.draft = target, draft
         self.runner = runner
-        if runner is not None and graphs is not None:
-            raise ValueError("DFLASH graphs are not built for tensor parallelism")
         self.vocab = vocab
         self.block_size = block_size or draft.config.block_size
         if self.block_size < 2:
@@ -95,11 +95,12 @@ class DFlashSpeculator:
                 target, kv_pool, state_pool, batch_sizes=sizes, mode=ForwardMode.VERIFY,
                 q_len=self.block_size, capture=graphs.capture,
                 after_forward=lambda out, batch: self.extend_context(out.aux_hidden_states,
-                                                                     batch))
+                                                                     batch),
+                followers=None if runner is None else runner.followers)
             self.draft_graphs = DraftGraphRunner(
                 draft, target, self.draft_pool, batch_sizes=sizes, block_size=self.block_size,
-                mask_token_id=self.mask_token_id, capture=graphs.capture)
-            if graphs.commit_graphs:
+                mask_token_id=self.mask_token_id, capture=graphs.capture, vocab=vocab)
+            if graphs.commit_graphs and runner is None:
                 self.commit_graphs = GreedyCommitGraphs(
                     batch_sizes=sizes, block_size=self.block_size, state_pool=state_pool,
                     buffers=self._step_buffers, pad=self.verify_graphs.pad,
@@ -181,7 +182,8 @@ class DFlashSpeculator:
                         prefix_lens=[r.num_cached for r in requests], page_ids=pages,
                         page_size=page_size, state_slots=[r.slot for r in requests])
             if self.runner is not None:
-                out, batch = self.runner.forward(args)  # the followers verify too
+                # the followers verify too
+                out, batch = self.runner.forward(args, tables=[r.page_ids for r in requests])
             else:
                 batch = ForwardBatch.build(**args, device=device)
                 out = self.target(batch, kv_pool=self.kv_pool, state_pool=self.state_pool)

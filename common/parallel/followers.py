@@ -11,6 +11,8 @@ their shard of the model and of the pools, and do what rank 0 broadcasts, in ord
 - :class:`RunForward`: one forward over a batch described by ``ForwardBatch.build``'s
   arguments (token ids, prefix lengths, page ids, state slots), so each follower builds the same
   indices rank 0 built and runs the same layers, meeting rank 0 in every collective;
+- the CUDA graphs' messages (``common/parallel/follower_graphs.py``): build, capture and
+  replay the same decode and verify graphs as rank 0, in step with it;
 - :class:`CommitVerified`: fold the accepted prefix of the latest VERIFY forward into the GDN
   state (DFLASH: rank 0 runs the draft and decides acceptance; the followers only verify and
   commit);
@@ -40,8 +42,10 @@ import torch
 from common.cache.pools import CacheConfig, make_pools
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.engine.errors import GroupOutOfStep
-from common.parallel import band_messages, prompt_state
+from common.parallel import band_messages, follower_graphs, prompt_state
 from common.parallel.band_messages import BAND_MESSAGES, BandHandlerFactory
+from common.parallel.follower_graphs import GRAPH_MESSAGES, FollowerGraphs
+from common.parallel.page_tables import FollowerTables, LeaderTables, PagedRows
 from common.parallel.group import TensorParallelGroup
 from common.parallel.prompt_state import PromptState
 
@@ -79,6 +83,8 @@ class ReportMemory:
 @dataclass(frozen=True)
 class RunForward:
     batch_args: dict  # keyword arguments of ForwardBatch.build, less the device
+    # with rows, batch_args has no page_ids: each row's pages come from the follower's tables
+    rows: PagedRows | None = None
 
 
 @dataclass(frozen=True)
@@ -117,12 +123,16 @@ def device_memory(device: str) -> tuple[int, int]:
 
 
 class FollowerLink:
-    """Rank 0's side: broadcasts each message to the followers (a no-op at world size 1)."""
+    """Rank 0's side: broadcasts each message to the followers (a no-op at world size 1).
+
+    An engine keeps one link for its forwards and graph replays: the link records which
+    requests' page lists the followers hold (``common/parallel/page_tables.py``)."""
 
     def __init__(self, tp: TensorParallelGroup) -> None:
         if not tp.is_leader:
             raise ValueError(f"rank {tp.rank} follows; only rank 0 sends to the followers")
         self.tp = tp
+        self.tables = LeaderTables()
 
     def load(self, settings: ShardSettings) -> None:
         self.tp.broadcast_object(LoadModel(settings))
@@ -138,11 +148,36 @@ class FollowerLink:
         free, total = self.tp.min_over_ranks((free_bytes, total_bytes))
         return free, total
 
-    def forward(self, batch_args: dict) -> None:
-        self.tp.broadcast_object(RunForward(batch_args))
+    def forward(self, batch_args: dict, tables: list[list[int]] | None = None) -> None:
+        """Every follower runs the forward of ``batch_args``. ``tables``: each row's request's
+        whole page list (its ``page_ids``), so that only a count of them is sent for lists
+        the followers hold already; None sends the pages themselves."""
+        if tables is None:
+            self.tp.broadcast_object(RunForward(batch_args))
+            return
+        rows = self.tables.rows(batch_args["state_slots"], tables, batch_args["page_ids"])
+        self.tp.broadcast_object(RunForward(
+            {k: v for k, v in batch_args.items() if k != "page_ids"}, rows))
 
     def commit(self, accepted_lens: list[int]) -> None:
         self.tp.broadcast_object(CommitVerified(list(accepted_lens)))
+
+    def make_graphs(self, mode: ForwardMode, q_len: int, batch_sizes, capture: bool) -> None:
+        """Every follower builds graphs of ``mode`` like rank 0's (``batch_sizes``)."""
+        self.tp.broadcast_object(follower_graphs.MakeGraphs(mode, q_len, tuple(batch_sizes),
+                                                            capture))
+
+    def capture_graphs(self, mode: ForwardMode, q_len: int) -> None:
+        self.tp.broadcast_object(follower_graphs.CaptureGraphs(mode, q_len))
+
+    def replay_graph(self, mode: ForwardMode, q_len: int, starts, page_ids, slots,
+                     token_ids, tables: list[list[int]]) -> None:
+        """Every follower replays its graph of these rows (``token_ids`` None: the ids are
+        broadcast from rank 0's device buffer next); ``tables`` as for :meth:`forward`."""
+        # host ints already, as RunForward's: converting each id costs more than pickling
+        self.tp.broadcast_object(follower_graphs.ReplayGraph(
+            mode, q_len, list(starts), self.tables.rows(slots, tables, page_ids),
+            None if token_ids is None else [list(row) for row in token_ids]))
 
     def stop(self) -> None:
         self.tp.broadcast_object(Stop())
@@ -228,6 +263,8 @@ class Follower:
         self.model = None
         self.kv_pool = self.state_pool = None
         self.last_batch: ForwardBatch | None = None  # what a CommitVerified refers to
+        self.graphs = FollowerGraphs()
+        self.tables = FollowerTables()
         self.bands = bands(tp, self) if bands is not None else None
 
     def run(self) -> None:
@@ -245,7 +282,15 @@ class Follower:
             elif isinstance(message, ReportMemory):
                 self.tp.min_over_ranks(device_memory(self.device))
             elif isinstance(message, RunForward):
-                self.forward(message.batch_args)
+                args = message.batch_args
+                if message.rows is not None:
+                    args = {**args, "page_ids": self.tables.pages(message.rows)}
+                self.forward(args)
+            elif isinstance(message, GRAPH_MESSAGES):
+                replayed = self.graphs.handle(message, self.model, self.kv_pool,
+                                              self.state_pool, self.tables)
+                if replayed is not None:
+                    self.last_batch = replayed[1]
             elif isinstance(message, CommitVerified):
                 self.commit(message.accepted_lens)
             elif isinstance(message, GatherState):
@@ -264,6 +309,7 @@ class Follower:
         from common.engine.factory import select_kernel_set
         from common.model.load import load_model
 
+        self.graphs.clear()
         self.model = self.kv_pool = self.state_pool = None  # the old shard goes first
         self.model = load_model(settings.model, dtype=settings.dtype, device=self.device,
                                 kernels=select_kernel_set(settings.kernels, self.device),
@@ -273,6 +319,8 @@ class Follower:
     def make_pools(self, cache: CacheConfig) -> None:
         if self.model is None:
             raise RuntimeError("pools before any model was loaded")
+        self.graphs.clear()  # they read the old pools
+        self.tables.clear()
         self.kv_pool = self.state_pool = self.last_batch = None  # the old pools go first
         if torch.device(self.device).type == "cuda":
             from common.engine.pool_sizing import release_device

@@ -78,6 +78,14 @@ class TensorParallelGroup:
         self.device_group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
 
+    def broadcast_from_leader(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` in every rank's ``x`` (in place, on the device group: queued on the
+        stream under NCCL, so a follower's next kernels read it without a host wait)."""
+        if self.world_size == 1:
+            return x
+        self.device_group.broadcast(x, 0).wait()
+        return x
+
     # host messages
     def min_over_ranks(self, values: tuple[int, ...]) -> tuple[int, ...]:
         """Each position's smallest value over the ranks (every rank passes its own and gets

@@ -128,6 +128,9 @@ def test_up_flags_become_the_cluster_config():
     assert late.router_args == ("--max-prompt-tokens", "64", "--first-token-after-handoff")
     assert not config.mps
     assert cluster_config_from_args(build_parser().parse_args(["up", "--mps"])).mps
+    graphs = cluster_config_from_args(build_parser().parse_args(
+        ["up", "--decode-tp", "2", "--tp-cuda-graphs"]))
+    assert "--tp-cuda-graphs" in graphs.worker_args
 
 
 def test_mps_cluster_starts_its_workers_as_clients_of_its_own_daemon(tmp_path, monkeypatch):

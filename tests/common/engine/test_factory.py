@@ -60,6 +60,12 @@ def test_the_tiny_draft_speculates_the_same_tokens_as_a_hand_built_engine():
     assert built.layout.page_size == reference.config.cache.page_size
 
 
+def test_tensor_parallel_graphs_are_asked_for_by_a_flag():
+    assert not engine_config_from_args(worker_args(), prefill=False).cuda_graph.tensor_parallel
+    config = engine_config_from_args(worker_args("--tp", "2", "--tp-cuda-graphs"), prefill=False)
+    assert config.cuda_graph.tensor_parallel
+
+
 def test_a_block_size_reaches_the_speculator():
     built = build_engine(EngineSettings(model="tiny", draft="tiny", block_size=2))
     assert built.engine.speculator.block_size == 2
