@@ -178,10 +178,6 @@ class HybridForCausalLM(nn.Module):
         self.tp = tp or TensorParallelGroup.single()
         self.shard_plan = ShardPlan.for_rank(config, self.tp.rank, self.tp.world_size,
                                              expert_parallel=expert_parallel)
-        moe_backend = dict(self.kernels.backends).get("sparse_moe", "reference")
-        if self.shard_plan.is_expert_parallel and moe_backend != "reference":
-            raise ValueError(f"expert parallelism runs on the reference MoE op, not "
-                             f"{moe_backend!r}")
         self.model = HybridModel(config, dtype, plan=self.shard_plan, tp=self.tp)
         # tied checkpoints have no head of their own: get_output_weight() returns the embedding
         if not config.tie_word_embeddings:

@@ -21,6 +21,11 @@ its own GEMVs and activation (about ten launches a layer of a few microseconds e
 that it is the reference's arithmetic with its projections through our ``linear`` op, which
 reads its weights once for all tokens.
 
+With expert parallelism (``expert_offset``) the router still picks among all the experts; a
+pair whose expert another rank holds runs a held expert with weight 0 and adds exactly 0
+(``capturable.held_pairs``): the kernels keep one program per pair, and such a pair's weight
+reads are a held expert's, again, which stay in L2.
+
 Roundings follow the reference: logits rounded to x.dtype, softmax and top-k in fp32, weights
 rounded to x.dtype; each expert projection rounded to x.dtype (fp32 accumulation), silu and the
 product rounded as ``silu_and_mul``; the weighted sum in fp32, here in top-k order (the
@@ -235,6 +240,7 @@ def sparse_moe(
     shared_up_proj: torch.Tensor | None = None,
     shared_down_proj: torch.Tensor | None = None,
     shared_expert_gate: torch.Tensor | None = None,
+    expert_offset: int | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`common.ops.moe.reference.sparse_moe`; no host read. Serves
     ``T * top_k <= E`` tokens with expert weights in x.dtype and a last dim of stride 1; other
@@ -242,7 +248,7 @@ def sparse_moe(
     shared = (shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate)
     t, _, num_experts, _ = reference.check_moe_args(
         x=x, router_weight=router_weight, experts_gate_up=experts_gate_up,
-        experts_down=experts_down, top_k=top_k, shared=shared)
+        experts_down=experts_down, top_k=top_k, shared=shared, expert_offset=expert_offset)
     weights_in_place = all(w.dtype == x.dtype and w.stride(-1) == 1 for w in (
         experts_gate_up, experts_down, *(w for w in shared if w is not None))) and (
         shared_gate_proj is None or shared_gate_proj.stride(0) == shared_up_proj.stride(0))
@@ -252,9 +258,13 @@ def sparse_moe(
             x=x, router_weight=router_weight, experts_gate_up=experts_gate_up,
             experts_down=experts_down, top_k=top_k, norm_topk_prob=norm_topk_prob,
             shared_gate_proj=shared_gate_proj, shared_up_proj=shared_up_proj,
-            shared_down_proj=shared_down_proj, shared_expert_gate=shared_expert_gate)
+            shared_down_proj=shared_down_proj, shared_expert_gate=shared_expert_gate,
+            expert_offset=expert_offset)
     x = x if x.stride(1) == 1 else x.contiguous()
     ids, weights = _route(x, router_weight, top_k, norm_topk_prob)
+    if expert_offset is not None:
+        ids, weights = capturable.held_pairs(ids, weights, expert_offset,
+                                             experts_gate_up.shape[0])
     if shared_expert_gate is None or t <= _FOLD_SHARED_TOKENS:
         return _routed(x, ids, weights, experts_gate_up, experts_down,
                        shared if shared_expert_gate is not None else None, x.dtype)

@@ -305,3 +305,24 @@ def test_sparse_moe(monkeypatch, tokens, experts, top_k, renorm, shared):
                     shared_down_proj=rand(g, hidden, shared, scale=0.2),
                     shared_expert_gate=rand(g, 1, hidden))
     check(monkeypatch, "common.ops.moe.triton", "common.ops.moe.reference", "sparse_moe", args)
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 10), (10, 20), (20, 30), (4, 11)])
+def test_sparse_moe_with_an_expert_offset(monkeypatch, lo, hi):
+    """Expert parallelism: a rank's experts ``lo..hi-1`` (routing over all 30), through the
+    kernels, give the reference's share of that rank."""
+    from common.ops.moe import capturable
+
+    def fell_back(**kwargs):
+        raise AssertionError("the Triton MoE fell back to the capturable op")
+
+    monkeypatch.setattr(capturable, "sparse_moe", fell_back)
+    g = _gen(70 + lo)
+    hidden, inter, tokens = 40, 24, 3
+    gate_up = rand(g, 30, 2 * inter, hidden, scale=0.2)
+    down = rand(g, 30, hidden, inter, scale=0.2)
+    args = dict(x=rand(g, tokens, hidden), router_weight=rand(g, 30, hidden),
+                experts_gate_up=gate_up[lo:hi].contiguous(),
+                experts_down=down[lo:hi].contiguous(), top_k=3, norm_topk_prob=True,
+                expert_offset=lo)
+    check(monkeypatch, "common.ops.moe.triton", "common.ops.moe.reference", "sparse_moe", args)

@@ -28,26 +28,28 @@ pytestmark = pytest.mark.skipif(
 OURS = {op: "triton" for op, backends in GPU_OPS.items() if "triton" in backends}
 
 
-def _shard(world_size: int, kernels: Kernels):
+def _shard(world_size: int, kernels: Kernels, expert_parallel: bool = False):
     from benchmarks.shapes import QWEN3_5_35B_A3B
 
     config = parse_model_config({**QWEN3_5_35B_A3B, "num_hidden_layers": 4, "hidden_size": 512,
                                  "num_experts": 16, "vocab_size": 2048, "dtype": "float32"})
     pg = NoOtherRank()
     model = model_class_for(config)(config, kernels=kernels,
-                                    tp=TensorParallelGroup(0, world_size, pg, pg))
+                                    tp=TensorParallelGroup(0, world_size, pg, pg),
+                                    expert_parallel=expert_parallel)
     fill_deterministic(model.named_parameters(), seed=5, device="cpu")
     return model.eval()
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_a_shard_runs_on_the_triton_kernels(world_size):
+def test_a_shard_runs_on_the_triton_kernels(world_size, expert_parallel):
     prompt = torch.randint(0, 2000, (20,), generator=torch.Generator().manual_seed(1))
     args = dict(mode=ForwardMode.EXTEND, token_ids=[prompt.tolist()], prefix_lens=[0],
                 page_ids=[[1, 2]], page_size=16, state_slots=[1], return_all_logits=True)
     logits = {}
     for name, kernels in (("reference", Kernels.select()), ("triton", Kernels.select(OURS))):
-        model = _shard(world_size, kernels)
+        model = _shard(world_size, kernels, expert_parallel)
         kv_pool, state_pool = make_pools(model, CacheConfig(page_size=16, num_pages=8,
                                                             num_slots=3), "cpu")
         assert kv_pool.kv.shape[-2] == 2 // min(world_size, 2)  # KV heads split, then replicated

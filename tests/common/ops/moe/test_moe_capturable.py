@@ -66,3 +66,32 @@ def test_caller_mistakes_raise_value_error():
         capturable.sparse_moe(**args, top_k=10, norm_topk_prob=True)
     with pytest.raises(ValueError, match="shared"):
         capturable.sparse_moe(**dict(args, shared_expert_gate=None), top_k=2, norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 20, 65])  # gathered, gathered, dense, the reference
+def test_an_expert_offset_gives_the_references_share(tokens):
+    """Expert parallelism: a rank holding experts lo..hi-1 of the router's 30 gets the
+    reference's share, and the shares of three ranks sum to the whole block's routed part."""
+    args = make(30, tokens, torch.float64, seed=40 + tokens)
+    args.update(shared_gate_proj=None, shared_up_proj=None, shared_down_proj=None,
+                shared_expert_gate=None)
+    gate_up, down = args.pop("experts_gate_up"), args.pop("experts_down")
+    shares = []
+    for lo, hi in ((0, 10), (10, 20), (20, 30)):
+        part = dict(args, experts_gate_up=gate_up[lo:hi], experts_down=down[lo:hi],
+                    expert_offset=lo, top_k=3, norm_topk_prob=True)
+        got = capturable.sparse_moe(**part)
+        torch.testing.assert_close(got, reference.sparse_moe(**part), rtol=1e-12, atol=1e-12)
+        shares.append(got)
+    whole = reference.sparse_moe(**args, experts_gate_up=gate_up, experts_down=down, top_k=3,
+                                 norm_topk_prob=True)
+    torch.testing.assert_close(sum(shares), whole, rtol=1e-12, atol=1e-12)
+
+
+def test_an_expert_offset_reads_nothing_on_the_host():
+    args = make(30, 8, torch.float32)
+    with HostReadWatch() as watch:
+        capturable.sparse_moe(**dict(args, experts_gate_up=args["experts_gate_up"][5:15],
+                                     experts_down=args["experts_down"][5:15]),
+                              expert_offset=5, top_k=3, norm_topk_prob=True)
+    assert watch.seen == []

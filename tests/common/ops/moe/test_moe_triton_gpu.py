@@ -102,3 +102,36 @@ def test_replays_in_a_cuda_graph():
     args["x"].copy_(randn(gen, 2, 2048, dtype=torch.bfloat16))
     graph.replay()
     assert torch.equal(out, tr.sparse_moe(**args, top_k=8, norm_topk_prob=True))
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_expert_parallel_shares_bf16(record_metric, ranks, tokens):
+    """Each of ``ranks`` expert-parallel ranks' share (its 256/ranks experts, routed over all
+    256, the shared expert's columns on rank 0 only here) against the reference's, and the
+    shares' sum against the whole block."""
+    tr = _triton()
+    gen = torch.Generator(device="cuda").manual_seed(20 + tokens)
+    args = make(gen, tokens, 256, 2048, 512, 512, torch.bfloat16)
+    gate_up, down = args.pop("experts_gate_up"), args.pop("experts_down")
+    shared = {k: args.pop(k) for k in ("shared_gate_proj", "shared_up_proj", "shared_down_proj",
+                                       "shared_expert_gate")}
+    held = 256 // ranks
+    total = torch.zeros(tokens, 2048, dtype=torch.float64, device="cuda")
+    worst = 0.0
+    for r in range(ranks):
+        part = dict(args, experts_gate_up=gate_up[r * held:(r + 1) * held],
+                    experts_down=down[r * held:(r + 1) * held], expert_offset=r * held,
+                    top_k=8, norm_topk_prob=True, **(shared if r == 0 else {}))
+        got = tr.sparse_moe(**part)
+        want = reference.sparse_moe(**part)
+        if want.abs().max() > 0:  # a rank none of whose experts was picked gives exact zeros
+            worst = max(worst, rel_rmse(got.double(), want.double()))
+        else:
+            assert torch.equal(got, want)
+        total += got.double()
+    whole = reference.sparse_moe(**args, experts_gate_up=gate_up, experts_down=down, top_k=8,
+                                 norm_topk_prob=True, **shared)
+    record_metric("worst share rel_rmse", worst)
+    assert worst <= 4e-3
+    assert rel_rmse(total, whole.double()) <= 8e-3
