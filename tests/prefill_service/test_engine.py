@@ -113,10 +113,10 @@ def test_a_forward_that_fails_after_its_report_ends_the_reads_waiting_on_it(engi
     real_forward = engine.engine.runner.forward
     calls = []
 
-    def fail_at_layer_one(batch_args, *, after_layer=None):
+    def fail_at_layer_one(batch_args, *, after_layer=None, tables=None):
         calls.append(batch_args)
         if len(calls) == 1:  # chunk 1 (3 tokens) completes no page, so reports nothing
-            return real_forward(batch_args, after_layer=after_layer)
+            return real_forward(batch_args, after_layer=after_layer, tables=tables)
         after_layer(0)
         raise ValueError("kernel refused the batch")
 

@@ -27,7 +27,7 @@ class Followers:
         self.sent: list[tuple[int, int, bool]] = []  # (handoff, first page, with the state)
         self.dropped: list[int] = []
 
-    def forward(self, batch_args) -> None:
+    def forward(self, batch_args, tables=None) -> None:
         pass
 
     def send_bands(self, handoff_id, plan, page_ids, start, slot) -> None:
