@@ -20,7 +20,6 @@ from common.metrics.tls import metrics_ssl_context
 from common.parallel.launch import rank_devices
 from common.parallel.worker_group import check_tp_args, shares_pools_at, takes_rank_streams
 from common.engine.scheduler import SchedulerConfig, default_max_prefill_tokens
-from common.handoff.transports import takes_tcp_with
 
 # a worker process's GIL switch interval (Python's default is 5 ms)
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -115,8 +114,7 @@ def run_worker(args: argparse.Namespace, serve) -> int:
         security.internal_server()  # its flag combinations are checked before the model loads
         if args.metrics_port is not None:  # its TLS files are checked before the model loads
             metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca)
-        takes_tcp_with(args.handoff_transport, security.tls)  # tcp is refused beside TLS
-        takes_rank_streams(args, args.handoff_transport, security.tls)
+        takes_rank_streams(args, args.handoff_transport)
         check_tp_args(args)  # ShardingError names what the size must divide
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

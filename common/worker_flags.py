@@ -33,9 +33,9 @@ def add_tp_arg(p: argparse.ArgumentParser) -> None:
                         "rank sends or lands its own heads on a TCP stream of its own; a "
                         "handoff the other end cannot take so fails), 'leader' (everything "
                         "gathered to, or scattered from, rank 0), 'auto' (ranks where both "
-                        "ends can, else leader). Per-rank streams need TCP: not with TLS nor "
-                        "--handoff-transport stream (docs/tensor_parallel.md) (default: "
-                        "%(default)s)")
+                        "ends can, else leader). Per-rank streams need TCP (TLS when the "
+                        "workers have it): not with --handoff-transport stream "
+                        "(docs/tensor_parallel.md) (default: %(default)s)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tp: place a MoE model's routed experts whole on the ranks "
                         "(default: each expert's matrices split over them)")
@@ -58,12 +58,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handoff-transport", choices=HANDOFF_TRANSPORTS, default="auto",
                    help="how prompt state moves from prefill to decode: 'stream' (bytes in "
                         "the gRPC stream, works anywhere), 'tcp' (bytes on a TCP connection "
-                        "to the decode worker's --handoff-port beside the gRPC stream; "
-                        "plaintext, so not with TLS), 'device' (same host: the decode worker "
+                        "to the decode worker's --handoff-port beside the gRPC stream; TLS "
+                        "when the workers have it), 'device' (same host: the decode worker "
                         "copies out of the prefill worker's pools through CUDA IPC or shared "
                         "memory; not with --tp above 1), 'auto' (device where both ends can, "
-                        "else tcp where the listener is reachable and TLS is off, else "
-                        "stream) (default: %(default)s)")
+                        "else tcp where the listener is reachable, else stream) (default: "
+                        "%(default)s)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the config's)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")

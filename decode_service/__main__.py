@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from functools import partial
 
 from common.cli_help import HelpFormatter, description
 from common.grpc_util import serve_until_signal
@@ -31,8 +32,9 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     transport = handoff_transport(args, "decode")
     # with --tp the followers start here and leave once the engine thread has stopped
     # each follower lands its own heads of a handoff (per-rank streams) with this
-    with worker_engine(args, prefill=False,
-                       follower_bands=DecodeFollowerBands) as (group, built):
+    bands = partial(DecodeFollowerBands, tls=server_security.tls,
+                    require_client_cert=server_security.require_client_cert)
+    with worker_engine(args, prefill=False, follower_bands=bands) as (group, built):
         llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
         service = build_decode_service(llm, layout, fingerprint, host=args.host,
                                        port=args.port, max_handoff_bytes=args.max_handoff_bytes,
@@ -40,8 +42,7 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
                                        idle_timeout_s=args.handoff_idle_timeout,
                                        handoff_port=args.handoff_port,
                                        open_peer_pools=shares_pools_at(args, transport),
-                                       rank_streams=takes_rank_streams(args, transport,
-                                                                       security.tls),
+                                       rank_streams=takes_rank_streams(args, transport),
                                        band_token=security.internal_token)
         start_metrics(metrics_server, service.engine.metrics.registry, "flashsplit-decode")
         if service.tcp is not None:

@@ -20,9 +20,11 @@ from __future__ import annotations
 import threading
 
 from common.auth import secrets_match
+from common.handoff.tcp_tls import server_context
 from common.parallel.band_messages import (CompleteBands, DueReports, ExpectBands,
                                            ForgetBands, OpenBandListener, landed_key, port_key,
                                            ready_key)
+from common.tls import TlsFiles
 from decode_service.band_receiver import BandReceiver
 from decode_service.tcp_listener import TcpHandoffListener
 
@@ -31,9 +33,13 @@ class DecodeFollowerBands:
     """Follower ``tp.rank``'s band receiver over a listener of its own, on ``follower``'s
     pools; implements :class:`~common.parallel.band_messages.BandHandler`."""
 
-    def __init__(self, tp, follower) -> None:
+    def __init__(self, tp, follower, tls: TlsFiles | None = None,
+                 require_client_cert: bool = False) -> None:
+        """``tls`` and ``require_client_cert``: the worker's server TLS, for TLS on this rank's
+        listener (None: plaintext); pass them with ``functools.partial``."""
         self.tp = tp
         self._follower = follower
+        self._tls, self._require_client_cert = tls, require_client_cert
         self._receiver: BandReceiver | None = None
         # a ticket's landing report is due from CompleteBands until it is forgotten
         self._reports = DueReports(tp.store)
@@ -65,7 +71,9 @@ class DecodeFollowerBands:
         f = self._follower
         listener = TcpHandoffListener(
             message.host, 0, lambda given: token is None or secrets_match(given, token),
-            pin_memory=f.kv_pool.kv.device.type == "cuda")
+            pin_memory=f.kv_pool.kv.device.type == "cuda",
+            ssl_context=None if self._tls is None
+            else server_context(self._tls, self._require_client_cert))
         self._receiver = BandReceiver(listener, f.model.config, self.tp.rank,
                                       self.tp.world_size, f.kv_pool.kv, f.state_pool.conv,
                                       f.state_pool.ssm)

@@ -31,7 +31,8 @@ from common.load_report import LoadReport
 from common.logging_setup import bind_request_id
 from common.security import ServerSecurity
 from common.shutdown import GracefulShutdown
-from common.handoff.transports import shares_pools, takes_tcp_with
+from common.handoff.tcp_tls import server_context
+from common.handoff.transports import shares_pools, takes_tcp
 from common.pb.flashsplit.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from decode_service.chunk_landings import ChunkLandings
 from decode_service.engine import DecodeEngine
@@ -328,8 +329,10 @@ def build_decode_service(llm: LLMEngine, layout: LayoutDescriptor, fingerprint: 
     # frames are read into pinned buffers where the pools are on a GPU: their copies into
     # the pools are then truly asynchronous, on each reservation's copy stream
     tcp = (TcpHandoffListener(host, handoff_port, security.accepts,
-                              pin_memory=llm.kv_pool.kv.device.type == "cuda")
-           if takes_tcp_with(transport, security.tls) else None)
+                              pin_memory=llm.kv_pool.kv.device.type == "cuda",
+                              ssl_context=None if security.tls is None
+                              else server_context(security.tls, security.require_client_cert))
+           if takes_tcp(transport) else None)
     ranks = open_rank_streams(llm, tcp, host, band_token) if rank_streams and tcp else None
     streams = TokenStreams(asyncio.get_running_loop())
     engine = DecodeEngine(llm, streams.post, ranks.receiver if ranks is not None else None)

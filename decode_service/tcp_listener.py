@@ -16,6 +16,9 @@ right now (more frames in flight than it was sized for, or a frame larger than i
 gets a freshly allocated buffer instead: a reader never waits for buffers, so it can never wait
 on a landing that waits on it.
 
+With TLS (``ssl_context``, ``common/handoff/tcp_tls.py``) each connection's handshake comes
+first, under the hello's time limit, then the same hello and frames inside it.
+
 At most ``max_ahead`` frames of one connection wait in inboxes at a time: a handler that lands
 slowly holds its connection's reader, and TCP's own flow control holds the sender. Frames for
 a ticket nobody holds (the handoff failed or was aborted) are read and dropped.
@@ -27,6 +30,7 @@ import asyncio
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -138,17 +142,21 @@ class TcpHandoffListener:
             CUDA, else ValueError).
         buffer_bytes: the pool of reusable frame buffers, allocated once (default: room for
             one busy connection's frames of 16 MiB, waiting and landing).
+        ssl_context: TLS on every connection (``tcp_tls.server_context``); None: plaintext.
     """
 
     def __init__(self, host: str, port: int, accepts: Callable[[str | None], bool],
                  max_ahead: int = 8, max_connections: int = 256,
                  hello_timeout_s: float = 5.0, *, pin_memory: bool = False,
-                 buffer_bytes: int | None = None) -> None:
+                 buffer_bytes: int | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         if max_ahead < 1:
             raise ValueError(f"max_ahead must be >= 1, got {max_ahead}")
         if buffer_bytes is None:
             buffer_bytes = (max_ahead + _LANDING_FRAMES) * _TYPICAL_FRAME_BYTES
         self._accepts = accepts
+        self._ssl = ssl_context
+        self.tls = ssl_context is not None
         self._max_ahead = max_ahead
         # a connection holds a thread: bound how many, and how long one may stay silent
         # before its hello
@@ -239,10 +247,16 @@ class TcpHandoffListener:
             reader.start()
 
     def _serve(self, sock: socket.socket, peer) -> None:
-        reader = sock.makefile("rb", buffering=_READ_BUFFER)
+        reader = None
         carried: set[bytes] = set()  # tickets this connection brought frames for
         try:
             sock.settimeout(self._hello_timeout_s)
+            if self._ssl is not None:
+                wrapped = self._handshake(sock, peer)
+                if wrapped is None:
+                    return
+                sock = wrapped
+            reader = sock.makefile("rb", buffering=_READ_BUFFER)
             if not self._accepts(read_hello(reader.read)):
                 log.warning("handoff connection from %s refused: wrong internal token", peer)
                 return
@@ -280,8 +294,25 @@ class TcpHandoffListener:
             with self._lock:
                 self._connections.discard(sock)
                 self._readers.discard(threading.current_thread())
-            reader.close()
+            if reader is not None:
+                reader.close()
             sock.close()
+
+    def _handshake(self, sock: socket.socket, peer) -> ssl.SSLSocket | None:
+        """The TLS side of an accepted connection, or None when the handshake fails (logged
+        as a refusal). The wrapped socket takes ``sock``'s place in the set that :meth:`close`
+        shuts down."""
+        try:
+            wrapped = self._ssl.wrap_socket(sock, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            if not self._closed.is_set():
+                log.warning("handoff connection from %s refused: TLS handshake failed: %s",
+                            peer, exc)
+            return None  # the caller's finally closes sock
+        with self._lock:
+            self._connections.discard(sock)
+            self._connections.add(wrapped)
+        return wrapped
 
     def _read_frame(self, reader, nbytes: int, room: threading.Semaphore) -> TcpFrame:
         """The next ``nbytes`` of the connection in a frame holding ``room`` (acquired); the

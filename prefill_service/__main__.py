@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 
 from common.cli_help import HelpFormatter, description
 from common.grpc_util import bind, make_server, serve_until_signal
+from common.handoff.tcp_tls import client_context
 from common.metrics.server import bind_metrics, start_metrics
 from common.metrics.tls import metrics_ssl_context
 from common.parallel.worker_group import (handoff_transport, shares_pools_at,
@@ -41,7 +43,8 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
     # with --tp the followers start here and leave once the engine thread has stopped
     # each follower sends its own heads of a handoff (per-rank streams) with this
     with worker_engine(args, prefill=True,
-                       follower_bands=PrefillFollowerBands) as (group, built):
+                       follower_bands=partial(PrefillFollowerBands, tls=security.tls)
+                       ) as (group, built):
         llm, layout, fingerprint = built.engine, built.layout, built.fingerprint
         # before the engine thread starts: the pools move into memory decode workers can open
         shared = SharedPools(llm) if shares_pools_at(args, transport) else None
@@ -79,10 +82,11 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
 def _rank_streams(args, security: Security, transport: str, group,
                   llm) -> PrefillRankStreams | None:
     """Rank 0's side of per-rank handoff streams, when this worker offers them."""
-    if not takes_rank_streams(args, transport, security.tls):
+    if not takes_rank_streams(args, transport):
         return None
     own = BandSender(llm.model.config, 0, llm.kv_pool.kv, llm.state_pool.conv,
-                     llm.state_pool.ssm)
+                     llm.state_pool.ssm, ssl_context=None if security.tls is None
+                     else client_context(security.tls))
     return PrefillRankStreams(own, group.world_size, group.tp.store,
                               required=args.tp_handoff == "ranks",
                               token=security.internal_token)

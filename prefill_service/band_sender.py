@@ -15,6 +15,7 @@ trailer (``prefill_service/leader_bands.py``).
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,8 +64,11 @@ class BandSender:
     rank's shards) of a model with ``config``."""
 
     def __init__(self, config: ModelConfig, rank: int, kv: torch.Tensor, conv: torch.Tensor,
-                 ssm: torch.Tensor) -> None:
+                 ssm: torch.Tensor, ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context``: TLS on the connections to the decode ranks (the worker's, as for
+        its gRPC channels: ``common/handoff/tcp_tls.py``); None: plaintext."""
         self.config, self.rank = config, rank
+        self._ssl = ssl_context
         self._kv, self._conv, self._ssm = kv, conv, ssm
         self._tcp: TcpConnections | None = None
         self._handoffs: dict[int, _Outgoing] = {}  # only touched on the sender's thread
@@ -107,7 +111,7 @@ class BandSender:
                 plan, bands_from(self.config, plan.src_tp, plan.dst_tp, self.rank),
                 frames=[0] * plan.dst_tp)
             if self._tcp is None:
-                self._tcp = TcpConnections(plan.token)
+                self._tcp = TcpConnections(plan.token, ssl_context=self._ssl)
         return out
 
     def _send(self, handoff_id: int, plan: RankStreamPlan, page_ids: list[int], start: int,

@@ -15,17 +15,22 @@ each follower makes one.
 
 from __future__ import annotations
 
+from common.handoff.tcp_tls import client_context
 from common.parallel.band_messages import DropBands, DueReports, SendBands, sent_key
+from common.tls import TlsFiles
 from prefill_service.band_sender import BandSender, BandsSent
 
 
 class PrefillFollowerBands:
     """Follower ``tp.rank``'s band sender, made on first use from ``follower``'s model and
-    pools; implements :class:`~common.parallel.band_messages.BandHandler`."""
+    pools; implements :class:`~common.parallel.band_messages.BandHandler`. ``tls``: the
+    worker's TLS material, for TLS on its connections (None: plaintext); pass it with
+    ``functools.partial``, as the group starts each follower with ``(tp, follower)``."""
 
-    def __init__(self, tp, follower) -> None:
+    def __init__(self, tp, follower, tls: TlsFiles | None = None) -> None:
         self.tp = tp
         self._follower = follower
+        self._tls = tls
         self._sender: BandSender | None = None
         # a handoff's report is due from its final part until it is dropped
         self._reports = DueReports(tp.store)
@@ -42,7 +47,9 @@ class PrefillFollowerBands:
         if self._sender is None:
             f = self._follower
             self._sender = BandSender(f.model.config, self.tp.rank, f.kv_pool.kv,
-                                      f.state_pool.conv, f.state_pool.ssm)
+                                      f.state_pool.conv, f.state_pool.ssm,
+                                      ssl_context=None if self._tls is None
+                                      else client_context(self._tls))
         self._sender.send(message.handoff_id, message.plan, message.page_ids, message.start,
                           message.slot)
         if message.slot is not None:  # the last part: report once all of it is written

@@ -26,7 +26,8 @@ from common import convert
 from common.auth import TOKEN_HEADER
 from common.channels import ChannelSecurity, make_channel
 from common.handoff.tcp_frames import tcp_host
-from common.handoff.transports import takes_tcp_with
+from common.handoff.tcp_tls import client_context
+from common.handoff.transports import takes_tcp
 from common.handoff.ledger import fold_checksums, new_ledgers
 from common.handoff.parts import HeaderPart, PoolCopyPart, TrailerPart
 from common.logprobs import TokenLogprobs
@@ -357,9 +358,11 @@ class HandoffSender:
         self.tcp_connections = tcp_connections
         self.rank_streams = rank_streams  # None: handoffs never take per-rank streams
         self._channels: dict[str, grpc.aio.Channel] = {}
-        # chunks over TCP carry the same token as the calls; never beside a TLS channel
-        self.tcp = (TcpConnections(dict(security.metadata).get(TOKEN_HEADER))
-                    if takes_tcp_with(transport, security.tls) else None)
+        # chunks over TCP carry the same token as the calls, and TLS where the calls have it
+        self.tcp = (TcpConnections(dict(security.metadata).get(TOKEN_HEADER),
+                                   ssl_context=None if security.tls is None
+                                   else client_context(security.tls))
+                    if takes_tcp(transport) else None)
         # each handoff's reads (and, over TCP, its writes) run on one of these at a time
         # one torch CPU thread each: their gathers are copies, and an OpenMP team per sender
         # thread would take cores from the engine thread's forward (on the CPU)

@@ -9,13 +9,16 @@ the cluster's internal token and kept for the next handoff; one that failed is c
 Sending runs on blocking sockets: ``sendmsg`` releases the GIL while the kernel copies, so the
 event loop and the engine thread run meanwhile. A frame is written from its parts as they lie
 (``Frame``: the chunk's encoded prefix, then a view of its payload in the sender's pinned host
-buffer), in one ``sendmsg``; the buffer goes back once the kernel has taken its bytes.
+buffer), in one ``sendmsg``; the buffer goes back once the kernel has taken its bytes. Over
+TLS (``common/handoff/tcp_tls.py``) each part is written with ``sendall`` instead (an SSL
+socket has no ``sendmsg``), encrypted where it lies, with the GIL released likewise.
 """
 
 from __future__ import annotations
 
 import queue
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -116,6 +119,10 @@ class TcpConnection:
         views = [memoryview(frame_header(ticket, frame.nbytes))]
         views += [memoryview(part).cast("B") for part in frame.parts]
         try:
+            if isinstance(self._sock, ssl.SSLSocket):
+                for view in views:
+                    self._sock.sendall(view)
+                return
             while views:
                 sent = self._sock.sendmsg(views)
                 while views and sent >= views[0].nbytes:  # drop what went, keep the rest
@@ -133,11 +140,16 @@ class TcpConnection:
         try:
             self._sock.setblocking(False)
             try:
-                self._sock.recv(1, socket.MSG_PEEK)
+                if isinstance(self._sock, ssl.SSLSocket):
+                    # no peeking through TLS; a read that finds nothing raises, and reading
+                    # what a listener never sends ends the connection anyway
+                    self._sock.recv(1)
+                else:
+                    self._sock.recv(1, socket.MSG_PEEK)
                 return False  # end of stream, or bytes a listener never sends
             finally:
                 self._sock.setblocking(True)
-        except BlockingIOError:
+        except (BlockingIOError, ssl.SSLWantReadError):
             return True
         except OSError:
             return False
@@ -187,13 +199,18 @@ class TcpConnections:
 
     Args:
         token: the cluster's internal token (None: a cluster without one).
-        connect_timeout_s: how long opening a connection and its hello may take.
+        connect_timeout_s: how long opening a connection, its TLS handshake and its hello
+            may take.
         max_idle: connections kept per listener once their handoffs are done.
+        ssl_context: TLS on every connection (``tcp_tls.client_context``), the listener's
+            certificate checked against the host dialled; None: plaintext.
     """
 
     def __init__(self, token: str | None, connect_timeout_s: float = 5.0,
-                 max_idle: int = 4, retry_after_s: float = 30.0) -> None:
+                 max_idle: int = 4, retry_after_s: float = 30.0,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self._hello = hello(token)
+        self._ssl = ssl_context
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         # a listener that could not be reached is not tried again for this long: under
@@ -228,6 +245,8 @@ class TcpConnections:
             raise
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_hostname=host)
             sock.sendall(self._hello)
             if sock.recv(1) != OK:
                 raise ConnectionRefusedError(f"the handoff listener at {host}:{port} refused "

@@ -84,17 +84,17 @@ def shares_pools_at(args: argparse.Namespace, transport: str) -> bool:
     return args.tp == 1 and shares_pools(transport)
 
 
-def takes_rank_streams(args: argparse.Namespace, transport: str, tls: object | None) -> bool:
+def takes_rank_streams(args: argparse.Namespace, transport: str) -> bool:
     """Whether this worker offers (prefill) or takes (decode) per-rank handoff streams: not
     ``--tp-handoff leader``, and its chunks may go over TCP. ``--tp-handoff ranks`` where they
     may not is a caller mistake (ValueError)."""
-    from common.handoff.transports import takes_tcp_with
+    from common.handoff.transports import takes_tcp
 
     if args.tp_handoff == "leader":
         return False
-    if not takes_tcp_with(transport, tls):
+    if not takes_tcp(transport):
         if args.tp_handoff == "ranks":
             raise ValueError("--tp-handoff ranks sends each rank's state over TCP: it needs "
-                             "--handoff-transport auto or tcp, and no TLS")
+                             "--handoff-transport auto or tcp")
         return False
     return True

@@ -182,3 +182,31 @@ def test_generate_cli_with_tls_and_api_key(cluster, pki):
     done = subprocess.run(base + ["--api-key", "sk-wrong"], capture_output=True, text=True,
                           timeout=60, env=env)
     assert done.returncode == 1 and "UNAUTHENTICATED" in done.stderr
+
+
+@pytest.mark.parametrize("case", ["tcp", "per-rank streams"])
+def test_handoff_bytes_over_tcp_go_inside_tls(pki, tmp_path, case):
+    """With TLS on the internal ports the state's TCP connections are TLS too (the ``tcp``
+    transport, and tensor-parallel workers' per-rank streams, each rank with its own
+    connections), and the tokens are exact with the pools full after."""
+    from tests.router.test_end_to_end import wait_all_free
+
+    key_file = tmp_path / "api-key"
+    write_secret_file(key_file, API_KEY)
+    tls = ("--tls-cert", pki.server.cert, "--tls-key", pki.server.key, "--tls-ca", pki.ca)
+    extra, tp = (("--handoff-transport", "tcp"), 1) if case == "tcp" else \
+        (("--tp-handoff", "ranks"), 2)
+    config = ClusterConfig(model="tiny", worker_args=WORKER_ARGS + tls + extra,
+                           router_args=tls + ("--api-key-file", str(key_file)),
+                           prefill_tp=tp, decode_tp=tp)
+    with Cluster(config) as cluster:
+        outs = run_prompts(cluster, client(pki))
+        reports = asyncio.run(wait_all_free(
+            cluster, tls=TlsFiles.load(pki.client.cert, pki.client.key, pki.ca)))
+        logs = {w.kind: w.stderr_tail(200) for w in cluster.workers}
+    assert [o.token_ids for o in outs] == local_greedy(load_model("tiny"), PROMPTS, GREEDY)
+    assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
+    assert "handoff chunks over TCP: listening" in logs["decode"]
+    if case == "per-rank streams":
+        assert logs["prefill"].count("over per-rank streams (2 -> 2 ranks)") == len(PROMPTS)
+    assert "TLS handshake failed" not in logs["decode"]

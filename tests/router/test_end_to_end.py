@@ -15,6 +15,7 @@ from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.model.load import load_model
 from common.pb.flashsplit.v1 import types_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from common.sampling import SamplingParams
+from common.tls import TlsFiles
 from router.cluster import Cluster, ClusterConfig
 from router.remote import generate, request_to_pb
 from tests.common.model.checkpoints import load_hf_model, make_checkpoint
@@ -37,19 +38,20 @@ async def generate_all(address, prompts, params=GREEDY):
                                   for p in prompts])
 
 
-async def worker_load(address: str, kind: str, token: str) -> types_pb2.LoadReport:
-    """A worker's load report, asked with its cluster's internal token."""
-    async with make_channel(address, ChannelSecurity.internal(token)) as channel:
+async def worker_load(address: str, kind: str, token: str,
+                      tls: TlsFiles | None = None) -> types_pb2.LoadReport:
+    """A worker's load report, asked with its cluster's internal token (and ``tls``)."""
+    async with make_channel(address, ChannelSecurity.internal(token, tls)) as channel:
         stub = (prefill_pb2_grpc.PrefillStub if kind == "prefill"
                 else decode_pb2_grpc.DecodeStub)(channel)
         return await stub.GetLoad(types_pb2.LoadRequest(), timeout=5)
 
 
-async def wait_all_free(cluster, timeout_s=10.0):
+async def wait_all_free(cluster, timeout_s=10.0, tls: TlsFiles | None = None):
     """Poll every worker until its pages and slots are all free again; return the reports."""
     deadline = time.monotonic() + timeout_s
     while True:
-        reports = [await worker_load(w.address, w.kind, cluster.internal_token)
+        reports = [await worker_load(w.address, w.kind, cluster.internal_token, tls)
                    for w in cluster.workers]
         if all(r.free_pages == r.total_pages and r.free_slots == r.total_slots
                for r in reports) or time.monotonic() > deadline:
