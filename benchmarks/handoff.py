@@ -7,7 +7,9 @@ The model itself is not run: the decode side holds real pools and a weightless (
 what is timed is exactly the handoff (chunking, gRPC, checksums, validation, landing in pools).
 
 Each ``--transports`` value is measured: ``stream`` (chunks in the gRPC stream) and ``tcp``
-(header and trailer on the stream, chunks on a TCP connection to the service's listener).
+(header and trailer on the stream, chunks on a TCP connection to the service's listener). With
+``--tls-cert``, ``--tls-key`` and ``--tls-ca`` both ends run mutual TLS, as workers with those
+flags do: the gRPC call and the TCP connections alike.
 
 Then, in the same run, the byte path beneath it (``benchmarks/byte_path.py``): raw TCP loopback
 against gRPC client streams of 1/4/16 MiB messages on 1/2/4 streams, protobuf-built against
@@ -59,8 +61,9 @@ def fingerprint_for(config: ModelConfig) -> str:
     return model_fingerprint(config, "benchmark:random")
 
 
-async def serve(shape: str, num_pages: int) -> None:
-    """The decode side: real pools, a weightless model, the real servicer."""
+async def serve(shape: str, num_pages: int, tls=None) -> None:
+    """The decode side: real pools, a weightless model, the real servicer (mutual TLS with
+    ``tls``, a ``TlsFiles``)."""
     from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
     from common.model.family_registry import model_class_for
     from decode_service.server import build_decode_service
@@ -71,8 +74,13 @@ async def serve(shape: str, num_pages: int) -> None:
     engine_config = EngineConfig(cache=CacheConfig(page_size=PAGE_SIZE, num_pages=num_pages,
                                                    num_slots=3))
     layout = LayoutDescriptor.from_model(config, PAGE_SIZE, dtype_for(config))
+    from common.security import ServerSecurity
+
+    security = ServerSecurity() if tls is None else ServerSecurity(
+        tls=tls, require_client_cert=tls.root_ca is not None)
     service = build_decode_service(LLMEngine(model, engine_config), layout,
-                                   fingerprint_for(config), max_handoff_bytes=1 << 40)
+                                   fingerprint_for(config), max_handoff_bytes=1 << 40,
+                                   security=security)
     await service.server.start()
     print(f"listening on {service.address}", flush=True)
     await service.server.wait_for_termination()
@@ -189,7 +197,7 @@ async def send_over_tcp(handoff, payload: HandoffPayload, connections,
 
 async def measure(address: str, config: ModelConfig, lengths, repeats: int,
                   chunk_bytes: int, transport: str, tcp_connections: int = 2,
-                  busy: bool = False) -> list[dict]:
+                  busy: bool = False, tls=None) -> list[dict]:
     """Best-of-``repeats`` handoffs at each of ``lengths``; with ``busy``, each beside a
     stand-in engine thread launching small ops (``benchmarks/busy_engine.py``), whose rate
     against its rate alone is the row's ``engine_x_alone``."""
@@ -199,10 +207,12 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
     from prefill_service.handoff_sender import HANDOFF_METHOD, send_handoff
     from prefill_service.tcp_connections import TcpConnections
 
+    from common.handoff.tcp_tls import client_context
+
     rows = []
     executor = ThreadPoolExecutor(max_workers=1)
-    connections = TcpConnections(None)
-    async with make_channel(address, ChannelSecurity()) as channel:
+    connections = TcpConnections(None, ssl_context=None if tls is None else client_context(tls))
+    async with make_channel(address, ChannelSecurity(tls=tls)) as channel:
         handoff = channel.stream_stream(HANDOFF_METHOD, request_serializer=None,
                                         response_deserializer=decode_pb2.HandoffReply.FromString)
 
@@ -227,7 +237,8 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
                     engine_rates.append(engine.ops_per_s / solo)
             nbytes = sum(t.numel() * t.element_size() for t in payload.fields.values())
             copy_s = copy_seconds(payload, repeats)
-            label = f"tcp x{tcp_connections}" if transport == "tcp" else transport
+            label = (f"tcp x{tcp_connections}" if transport == "tcp" else transport) + \
+                (" tls" if tls is not None else "")
             rows.append({"transport": label + (" busy" if busy else ""), "prompt_len": n,
                          "bytes": nbytes, "busy_engine": busy,
                          "engine_x_alone": (sum(engine_rates) / len(engine_rates)
@@ -240,13 +251,18 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
 
 
 def run_shape(shape: str, lengths, repeats: int, transports,
-              tcp_connections: list[int], busy: list[bool] = (False,)) -> list[dict]:
+              tcp_connections: list[int], busy: list[bool] = (False,),
+              tls_flags: tuple[str, ...] = ()) -> list[dict]:
+    """``tls_flags``: ``--tls-cert PEM --tls-key PEM --tls-ca PEM`` for both ends, or none."""
+    from common.tls import TlsFiles
     from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES
 
     config = config_for(shape)
     num_pages = max(lengths) // PAGE_SIZE + 2
+    tls = TlsFiles.load(*tls_flags[1::2]) if tls_flags else None
     server = subprocess.Popen([sys.executable, "-m", "benchmarks.handoff", "--serve", shape,
-                               "--num-pages", str(num_pages)], stdout=subprocess.PIPE, text=True)
+                               "--num-pages", str(num_pages), *tls_flags],
+                              stdout=subprocess.PIPE, text=True)
     try:
         line = server.stdout.readline()
         if "listening on" not in line:
@@ -256,7 +272,7 @@ def run_shape(shape: str, lengths, repeats: int, transports,
             for n in tcp_connections if transport == "tcp" else [0]:
                 for beside in busy:
                     rows += asyncio.run(measure(line.split()[-1], config, lengths, repeats,
-                                                DEFAULT_CHUNK_BYTES, transport, n, beside))
+                                                DEFAULT_CHUNK_BYTES, transport, n, beside, tls))
     finally:
         server.terminate()
         server.wait()
@@ -286,12 +302,24 @@ def main(argv: list[str] | None = None) -> int:
                         "gRPC cases")
     p.add_argument("--byte-path-only", action="store_true",
                    help="measure only the byte path, not whole handoffs")
+    p.add_argument("--tls-cert", default=None, help="with --tls-key and --tls-ca: mutual TLS")
+    p.add_argument("--tls-key", default=None)
+    p.add_argument("--tls-ca", default=None)
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--num-pages", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a worker's process
+    tls_flags = ()
+    if args.tls_cert or args.tls_key or args.tls_ca:
+        if not (args.tls_cert and args.tls_key and args.tls_ca):
+            p.error("--tls-cert, --tls-key and --tls-ca go together")
+        tls_flags = ("--tls-cert", args.tls_cert, "--tls-key", args.tls_key, "--tls-ca",
+                     args.tls_ca)
     if args.serve:
-        asyncio.run(serve(args.serve, args.num_pages))
+        from common.tls import TlsFiles
+
+        asyncio.run(serve(args.serve, args.num_pages,
+                          TlsFiles.load(args.tls_cert, args.tls_key, args.tls_ca)))
         return 0
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
@@ -299,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes.split(","):
             rows += run_shape(shape, lengths, args.repeats, args.transports.split(","),
                               [int(n) for n in args.tcp_connections.split(",")],
-                              [False, True] if args.busy_engine else [False])
+                              [False, True] if args.busy_engine else [False], tls_flags)
     transport = (byte_path.run(args.byte_path_mib, max(args.repeats, 7),
                                [] if args.raw_tcp_only else None)
                  if args.byte_path_mib > 0 else None)
