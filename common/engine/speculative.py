@@ -54,8 +54,8 @@ class DFlashSpeculator:
         runner: a tensor-parallel target's runner (rank 0's): the verify forward (eager, or
             from graphs its followers replay too) and the commit go through it, so the
             followers run them too. The draft runs on rank 0 only, and acceptance is decided
-            there, once; the greedy commit graphs are not used (a commit's lengths reach the
-            followers from the host).
+            there, once; after the greedy commit graphs the accepted lengths reach the
+            followers by a device broadcast, never read on the host first.
         vocab: the full input embedding and output weight ``([V, H], [V, H])`` the draft
             reads, where the target holds only its rows of them (tensor parallelism).
     """
@@ -100,11 +100,13 @@ class DFlashSpeculator:
             self.draft_graphs = DraftGraphRunner(
                 draft, target, self.draft_pool, batch_sizes=sizes, block_size=self.block_size,
                 mask_token_id=self.mask_token_id, capture=graphs.capture, vocab=vocab)
-            if graphs.commit_graphs and runner is None:
+            if graphs.commit_graphs:
+                # rank 0's own commit inside the graph; the followers' follows it (step)
                 self.commit_graphs = GreedyCommitGraphs(
                     batch_sizes=sizes, block_size=self.block_size, state_pool=state_pool,
                     buffers=self._step_buffers, pad=self.verify_graphs.pad,
-                    commit=self._commit,
+                    commit=lambda batch, lengths: self.target.commit_verified(
+                        batch, lengths, state_pool=self.state_pool),
                     capture=graphs.capture)
 
     def capture_graphs(self, progress: bool = True) -> None:
@@ -195,7 +197,11 @@ class DFlashSpeculator:
             # reads the outcome once, after both: the GPU does not idle between them
             if (self.commit_graphs is not None and self.draft_graphs.serves(n)
                     and self.verify_graphs.serves(n) and self.commit_graphs.serves(batch)):
-                matched = self.commit_graphs.run(batch)[:, :n]
+                matched = self.commit_graphs.run(batch)
+                if self.runner is not None:  # the same lengths as the graph's, for every rank
+                    self.runner.followers.commit_from_device(torch.where(
+                        batch.state_slots > 0, matched[0] + 1, 1).to(torch.int64))
+                matched = matched[:, :n]
             else:
                 matched = greedy_match(drafts, logits)
                 lengths = F.pad(matched[0] + 1, (0, padding), value=1)

@@ -93,6 +93,11 @@ class CommitVerified:
 
 
 @dataclass(frozen=True)
+class CommitFromLeader:
+    rows: int  # the accepted lengths of the latest VERIFY forward's rows follow, broadcast
+
+
+@dataclass(frozen=True)
 class GatherState:
     page_ids: list[int]  # the request's prompt pages, in order
     slot: int | None  # None: the pages' KV only (a chunk before the prompt's last)
@@ -161,6 +166,13 @@ class FollowerLink:
 
     def commit(self, accepted_lens: list[int]) -> None:
         self.tp.broadcast_object(CommitVerified(list(accepted_lens)))
+
+    def commit_from_device(self, lengths: torch.Tensor) -> None:
+        """Every follower commits the latest VERIFY forward with ``lengths`` (int64, one per
+        row of its padded batch), which stay on the device: broadcast from rank 0's, so
+        neither side waits on the host for the acceptance (the greedy commit graphs)."""
+        self.tp.broadcast_object(CommitFromLeader(int(lengths.numel())))
+        self.tp.broadcast_from_leader(lengths)
 
     def make_graphs(self, mode: ForwardMode, q_len: int, batch_sizes, capture: bool) -> None:
         """Every follower builds graphs of ``mode`` like rank 0's (``batch_sizes``)."""
@@ -293,6 +305,9 @@ class Follower:
                     self.last_batch = replayed[1]
             elif isinstance(message, CommitVerified):
                 self.commit(message.accepted_lens)
+            elif isinstance(message, CommitFromLeader):
+                lengths = torch.empty(message.rows, dtype=torch.int64, device=self.device)
+                self.commit(self.tp.broadcast_from_leader(lengths))
             elif isinstance(message, GatherState):
                 self.gather_state(message)
             elif isinstance(message, ScatterState):
@@ -354,7 +369,7 @@ class Follower:
         prompt_state.write_to_pools(self.kv_pool, self.state_pool, message.page_ids,
                                     message.slot, part)
 
-    def commit(self, accepted_lens: list[int]) -> None:
+    def commit(self, accepted_lens: list[int] | torch.Tensor) -> None:
         if self.last_batch is None or self.last_batch.mode != ForwardMode.VERIFY:
             raise RuntimeError("a commit without a VERIFY forward before it")
         self.model.commit_verified(self.last_batch, accepted_lens, state_pool=self.state_pool)
