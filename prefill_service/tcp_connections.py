@@ -64,8 +64,9 @@ class TcpConnection:
         self._error: OSError | None = None
         self._queue: queue.Queue = queue.Queue(max_queued)
         self._closed = threading.Event()
-        threading.Thread(target=self._write_loop, daemon=True,
-                         name="handoff-tcp-writer").start()
+        self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                        name="handoff-tcp-writer")
+        self._writer.start()
 
     def submit(self, ticket: bytes, frame: Frame | bytes) -> None:
         """Queue one frame (or one encoded message) for the writer thread (blocks while
@@ -93,9 +94,13 @@ class TcpConnection:
     def _write_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                ticket, frame = self._queue.get(timeout=0.5)
+                item = self._queue.get(timeout=0.5)
             except queue.Empty:
                 continue
+            if item is None:  # close()'s wake-up
+                self._queue.task_done()
+                continue
+            ticket, frame = item
             try:
                 if self._error is None:
                     self._send(ticket, frame)
@@ -106,9 +111,13 @@ class TcpConnection:
                 self._queue.task_done()
         while True:  # closed: what is still queued is never written
             try:
-                _, frame = self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
                 return
+            if item is None:
+                self._queue.task_done()
+                continue
+            _, frame = item
             frame.done()
             self._error = self._error or ConnectionAbortedError("the connection is closed")
             self._queue.task_done()
@@ -164,6 +173,14 @@ class TcpConnection:
         except OSError:
             pass
         self._sock.close()
+        try:  # an idle writer waits on the queue: wake it, so that it ends now
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass  # a busy one sees the close at its next frame
+
+    def join(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the writer thread to end after :meth:`close`."""
+        self._writer.join(timeout_s)
 
 
 def send_chunks(connections: list[TcpConnection], ticket: bytes,
@@ -274,10 +291,16 @@ class TcpConnections:
                 return
         connection.close()
 
-    def close(self) -> None:
+    def close(self, join_timeout_s: float = 1.0) -> None:
+        """Close every idle connection and wait (up to ``join_timeout_s`` in all) for their
+        writer threads to end: a daemon thread still running when the interpreter exits can
+        abort the process."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, {}
-        for connections in idle.values():
-            for connection in connections:
-                connection.close()
+        closed = [c for connections in idle.values() for c in connections]
+        for connection in closed:
+            connection.close()
+        deadline = time.monotonic() + join_timeout_s
+        for connection in closed:
+            connection.join(max(0.0, deadline - time.monotonic()))
