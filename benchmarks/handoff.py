@@ -66,6 +66,7 @@ async def serve(shape: str, num_pages: int, tls=None) -> None:
     ``tls``, a ``TlsFiles``)."""
     from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
     from common.model.family_registry import model_class_for
+    from common.security import ServerSecurity
     from decode_service.server import build_decode_service
 
     config = config_for(shape)
@@ -74,8 +75,6 @@ async def serve(shape: str, num_pages: int, tls=None) -> None:
     engine_config = EngineConfig(cache=CacheConfig(page_size=PAGE_SIZE, num_pages=num_pages,
                                                    num_slots=3))
     layout = LayoutDescriptor.from_model(config, PAGE_SIZE, dtype_for(config))
-    from common.security import ServerSecurity
-
     security = ServerSecurity() if tls is None else ServerSecurity(
         tls=tls, require_client_cert=tls.root_ca is not None)
     service = build_decode_service(LLMEngine(model, engine_config), layout,
@@ -206,7 +205,6 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
     from common.pb.flashsplit.v1 import decode_pb2
     from prefill_service.handoff_sender import HANDOFF_METHOD, send_handoff
     from prefill_service.tcp_connections import TcpConnections
-
     from common.handoff.tcp_tls import client_context
 
     rows = []
