@@ -50,25 +50,25 @@ class GreedyCommitGraphs:
         self.buffers, self.commit, self.pad = buffers, commit, pad
         self.capture_graphs = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.captured = not capture
 
     def serves(self, batch: ForwardBatch) -> bool:
         return self.captured and batch.num_requests in self.batch_sizes
 
-    def _accept_and_commit(self, bs: int) -> torch.Tensor:
+    def _accept_and_commit(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         drafts, logits, batch = self.buffers(bs)
         matched = greedy_match(drafts, logits.view(bs, self.block_size, -1))  # [2, bs]
         lengths = torch.where(batch.state_slots > 0, matched[0] + 1, 1)
         self.commit(batch, lengths)
-        return matched
+        return matched, lengths
 
     def capture(self, progress: bool = True) -> None:
         """Capture after the draft and verify graphs (their outputs are this graph's inputs)."""
         if self.captured:
             return
 
-        def forward(bs: int) -> torch.Tensor:
+        def forward(bs: int) -> tuple[torch.Tensor, torch.Tensor]:
             # the commit checks that it follows its verify; a replay starts from the verify
             # graph's replay, which records the batch (GraphRunner.run)
             self.state_pool.begin_verify(self.buffers(bs)[2])
@@ -79,9 +79,10 @@ class GreedyCommitGraphs:
             label="greedy commit graphs", progress=progress)
         self.captured = True
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Accept and commit ``batch`` (the padded batch of the verify just run): returns
-        :func:`greedy_match`'s ``[2, bs]`` for every row, padding included, on the device.
+        :func:`greedy_match`'s ``[2, bs]`` and the committed lengths ``[bs]`` (one for padding
+        rows) for every row, padding included, on the device.
 
         Raises ValueError when ``batch`` is not the verify batch awaiting its commit.
         """

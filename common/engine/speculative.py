@@ -197,10 +197,9 @@ class DFlashSpeculator:
             # reads the outcome once, after both: the GPU does not idle between them
             if (self.commit_graphs is not None and self.draft_graphs.serves(n)
                     and self.verify_graphs.serves(n) and self.commit_graphs.serves(batch)):
-                matched = self.commit_graphs.run(batch)
-                if self.runner is not None:  # the same lengths as the graph's, for every rank
-                    self.runner.followers.commit_from_device(torch.where(
-                        batch.state_slots > 0, matched[0] + 1, 1).to(torch.int64))
+                matched, lengths = self.commit_graphs.run(batch)
+                if self.runner is not None:  # the graph's lengths, for every rank
+                    self.runner.followers.commit_from_device(lengths.to(torch.int64))
                 matched = matched[:, :n]
             else:
                 matched = greedy_match(drafts, logits)

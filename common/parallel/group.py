@@ -8,7 +8,8 @@ turn.
 
 World size 1 is :meth:`TensorParallelGroup.single`: no process group at all, and every collective
 returns its input untouched, so a single-device model runs exactly the code it ran before
-tensor parallelism existed.
+tensor parallelism existed. A group of one rank *with* process groups (:func:`process_groups`)
+runs its collectives for real: how one GPU exercises NCCL inside the captured graphs.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class TensorParallelGroup:
         store: the group's rendezvous store, which stays up while the group does: per-rank
             handoff streams report through it from any thread, out of step with the
             collectives (``common/parallel/band_messages.py``); None at world size 1.
+
+    At world size 1 the process groups may be given (:func:`process_groups`): the layers'
+    collectives then run on them, which leave every tensor as it was.
     """
 
     rank: int = 0
@@ -64,14 +68,14 @@ class TensorParallelGroup:
     # collectives the layers call; each is the identity at world size 1
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks (in place; returns ``x``)."""
-        if self.world_size == 1:
+        if self.device_group is None:
             return x
         self.device_group.allreduce([x]).wait()
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` concatenated along the last dim, rank 0 first."""
-        if self.world_size == 1:
+        if self.device_group is None:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
@@ -81,7 +85,7 @@ class TensorParallelGroup:
     def broadcast_from_leader(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` in every rank's ``x`` (in place, on the device group: queued on the
         stream under NCCL, so a follower's next kernels read it without a host wait)."""
-        if self.world_size == 1:
+        if self.device_group is None:
             return x
         self.device_group.broadcast(x, 0).wait()
         return x
@@ -145,6 +149,15 @@ def connect(rank: int, world_size: int, *, store: dist.Store | None = None,
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     if on_store is not None:
         on_store(store)
+    return process_groups(store, rank, world_size, device=device, timeout_s=timeout_s)
+
+
+def process_groups(store: dist.Store, rank: int, world_size: int, *, device: str = "cpu",
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
+    """The group of ``rank`` with its process groups made on ``store`` (gloo for host
+    messages, and NCCL for the layers' collectives when ``device`` is a CUDA device). At world
+    size 1 too: :func:`connect` gives :meth:`TensorParallelGroup.single` there instead."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     # each group keys its rendezvous under its own prefix of the one store
     cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, world_size, timeout)
     device_group = cpu_group

@@ -96,10 +96,11 @@ def test_padding_rows_commit_one_token_and_real_rows_their_match():
     committed = []
     graphs, pool, batch = _graphs(drafts, logits, [3, 1, 0, 0], committed)
     pool.begin_verify(batch)
-    matched = graphs.run(batch)
+    matched, lengths = graphs.run(batch)
     assert matched.tolist() == [[2, 3, 3, 0], [0, 2, 1, 0]]
     # row 2 matched all its drafts, but it is padding (scratch slot 0): one token
     assert committed == [[3, 4, 1, 1]]
+    assert lengths.tolist() == committed[0]  # what the followers of a sharded worker commit
 
 
 def test_a_commit_must_follow_the_verify_of_its_batch():
