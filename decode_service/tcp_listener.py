@@ -198,6 +198,12 @@ class TcpHandoffListener:
         with self._lock:
             self._offers[offer.ticket] = offer
 
+    @property
+    def num_connections(self) -> int:
+        """Connections open now (each has a reader thread)."""
+        with self._lock:
+            return len(self._connections)
+
     def forget(self, ticket: bytes) -> None:
         with self._lock:
             self._offers.pop(ticket, None)

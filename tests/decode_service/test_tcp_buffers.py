@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -169,6 +170,13 @@ def test_a_frame_refused_before_it_lands_gives_its_buffer_back(layout, fingerpri
             with pytest.raises(HandoffError, match="not exactly one chunk"):
                 await feed.wait_for(len(bodies), 10)
             feed.offer.withdraw()
+            # the reader may still be reading the frames after the refused one, each released
+            # as it is dropped or delivered: wait until the sender's closed connection ends,
+            # then let the deliveries it posted run
+            deadline = time.monotonic() + 10
+            while listener.num_connections and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0)
         assembler.abort()
         assert freed == [([1, 2], SLOT)]
 
