@@ -151,16 +151,34 @@ class Sampler:
             return out
         row_idx = torch.tensor(rows, device=logits.device)
         probs = filtered_probs(logits[row_idx], [params[i] for i in rows])
-
-        # Rows sharing the default RNG can be drawn together; a seeded row gets its own draw so
-        # its random stream depends on nothing but its seed and step.
-        shared = [j for j, i in enumerate(rows) if generators[i] is None]
-        if shared:
-            j_idx = torch.tensor(shared, device=logits.device)
-            drawn = torch.multinomial(probs[j_idx], 1).squeeze(1)
-            out[torch.tensor([rows[j] for j in shared], device=logits.device)] = drawn
-        for j, i in enumerate(rows):
-            gen = generators[i]
-            if gen is not None:
-                out[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        out[row_idx] = probs.div_(_exponential_noise(probs, [generators[i] for i in rows])
+                                  ).argmax(dim=-1)
         return out
+
+
+def _exponential_noise(probs: torch.Tensor,
+                       generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Exp(1) noise shaped like ``probs`` [N, V]: row j from ``generators[j]``'s stream (the
+    default RNG where None, for all such rows in one draw).
+
+    ``argmax(probs / noise)`` is then an exact draw from each row's distribution (the
+    exponential race: the first of independent clocks of rates p_v to ring), which vLLM's
+    sampler uses too. A seeded row costs one fill of its noise row, where a draw of its own
+    through ``torch.multinomial`` costs several kernels and a write of the result: a fifth of
+    the host time per seeded row on the CPU machine. Noise of exactly 0 (possible, at float
+    resolution) is raised to the smallest normal float, so a token of probability 0 is never
+    chosen.
+    """
+    noise = torch.empty_like(probs)
+    shared = [j for j, g in enumerate(generators) if g is None]
+    if len(shared) == len(generators):
+        noise.exponential_()
+    else:
+        if shared:
+            idx = torch.tensor(shared, device=probs.device)
+            noise[idx] = torch.empty((len(shared), probs.shape[1]), dtype=probs.dtype,
+                                     device=probs.device).exponential_()
+        for j, gen in enumerate(generators):
+            if gen is not None:
+                noise[j].exponential_(generator=gen)
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)

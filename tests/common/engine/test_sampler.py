@@ -124,6 +124,26 @@ def test_empirical_distribution_matches_filtered_probs():
     assert chi2 < 13.8, (counts, e)
 
 
+def test_rows_on_the_default_rng_and_seeded_rows_in_one_batch_each_follow_their_distribution():
+    """The exponential race in a batch mixing unseeded rows (one draw of noise for all of them)
+    with seeded ones (a noise row each): every row's tokens follow its own distribution."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.2, -1.0], [0.0, 0.5, 1.0, 1.5, 2.0]])
+    params = [SamplingParams(temperature=0.9), SamplingParams(temperature=1.2, top_k=4, seed=3)]
+    n = 10_000
+    rows = logits.repeat(n, 1)
+    gen = make_generator(3, "cpu")
+    draws = Sampler().sample(rows, params * n, [None, gen] * n).view(n, 2)
+    for r in range(2):
+        expected = filtered_probs(logits[r], params[r]) * n
+        counts = torch.bincount(draws[:, r], minlength=5).float()
+        kept = expected > 0
+        assert counts[~kept].sum() == 0
+        chi2 = ((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum().item()
+        # 4 or 3 degrees of freedom: P(chi2 > 18.5) < 0.001
+        assert chi2 < 18.5, (r, counts, expected)
+
+
 def test_sampler_works_on_bf16_logits():
     logits = _logits(3, 20).to(torch.bfloat16)
     params = [SamplingParams(temperature=0.0), SamplingParams(top_k=2), SamplingParams(top_p=0.5)]
