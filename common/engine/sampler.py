@@ -30,6 +30,18 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return gen
 
 
+def _on_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """A small per-row vector on ``device`` without a host wait. ``torch.tensor(values,
+    device=cuda)`` copies from pageable memory and then waits for the stream, that is for every
+    kernel queued before it: under overlap scheduling, the forward just launched. Staged in
+    pinned memory, the copy is queued like a kernel instead."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _filtered_probs_2d(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Row-wise final distributions [N, V] (fp32) for 2-D logits; see `filtered_probs`."""
     n, vocab = logits.shape
@@ -40,7 +52,7 @@ def _filtered_probs_2d(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     if greedy_rows:
         # The greedy "distribution" is a point mass on the argmax, which makes rejection sampling
         # against a greedy target reduce to exact-match verification.
-        idx = torch.tensor(greedy_rows, device=device)
+        idx = _on_device(greedy_rows, torch.int64, device)
         onehot = torch.zeros((len(greedy_rows), vocab), dtype=torch.float32, device=device)
         onehot.scatter_(1, logits[idx].argmax(dim=-1, keepdim=True), 1.0)
         probs[idx] = onehot
@@ -48,46 +60,50 @@ def _filtered_probs_2d(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     if not rows:
         return probs
     sel = [params[i] for i in rows]
-    idx = torch.tensor(rows, device=device)
-
-    temps = torch.tensor([p.temperature for p in sel], dtype=torch.float32, device=device)
-    x = logits[idx].float() / temps.unsqueeze(1)
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in sel]
+    top_ps = [p.top_p for p in sel]
+    min_ps = [q.min_p for q in sel]
+    # every row's settings in one copy: temperature, top-k (exact in fp32 for any vocabulary
+    # below 2^24), top-p, min-p
+    settings = _on_device([[p.temperature for p in sel], top_ks, top_ps, min_ps], torch.float32,
+                          device)
+    x = logits if len(rows) == n else logits[_on_device(rows, torch.int64, device)]
+    x = x.float() / settings[0].unsqueeze(1)
 
     # top-k and top-p act on ranks, so they share one sort. Skipping them when no row asks keeps
     # the common (default) case free of a full-vocabulary sort.
-    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in sel]
-    top_ps = [p.top_p for p in sel]
     if any(k < vocab for k in top_ks) or any(tp < 1.0 for tp in top_ps):
         # A stable descending sort puts the lowest index first among ties, so top_k=1 picks the
         # same token as argmax.
         sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
         ranks = torch.arange(vocab, device=device).unsqueeze(0)
-        k = torch.tensor(top_ks, device=device).unsqueeze(1)
+        k = settings[1].long().unsqueeze(1)
         sorted_x = sorted_x.masked_fill(ranks >= k, float("-inf"))
-        need_p = torch.tensor([tp < 1.0 for tp in top_ps], device=device).unsqueeze(1)
-        if bool(need_p.any()):
+        tp = settings[2].unsqueeze(1)
+        need_p = tp < 1.0
+        if any(t < 1.0 for t in top_ps):
             sorted_probs = torch.softmax(sorted_x, dim=-1)
             # Probability mass strictly before each rank: a token is kept while the tokens ranked
             # above it have not yet reached top_p, which keeps the smallest set reaching top_p
             # and always the top token. Rows with top_p == 1 are exempt because rounding can push
             # the running sum to 1 before the tail and would drop tokens that should stay.
             mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            tp = torch.tensor(top_ps, dtype=torch.float32, device=device).unsqueeze(1)
             drop = (mass_before >= tp) & need_p
             drop[:, 0] = False
             sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x)
 
     p = torch.softmax(x, dim=-1)
-    min_ps = [q.min_p for q in sel]
     if any(m > 0.0 for m in min_ps):
         # The threshold is relative to the top probability, so it is unchanged by renormalising
         # after top-k/top-p; the top token always survives (p_max >= min_p * p_max).
-        mp = torch.tensor(min_ps, dtype=torch.float32, device=device).unsqueeze(1)
+        mp = settings[3].unsqueeze(1)
         p_max = p.max(dim=-1, keepdim=True).values
         p = p.masked_fill(p < mp * p_max, 0.0)
         p = p / p.sum(dim=-1, keepdim=True)
-    probs[idx] = p
+    if len(rows) == n:
+        return p
+    probs[_on_device(rows, torch.int64, device)] = p
     return probs
 
 
@@ -142,17 +158,15 @@ class Sampler:
         if len(greedy) == n:
             # the common case takes no index tensors: no host-to-device copy in the step
             return logits.argmax(dim=-1)
-        out = torch.empty(n, dtype=torch.long, device=logits.device)
-        if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            out[idx] = logits[idx].argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if not rows:
-            return out
-        row_idx = torch.tensor(rows, device=logits.device)
-        probs = filtered_probs(logits[row_idx], [params[i] for i in rows])
-        out[row_idx] = probs.div_(_exponential_noise(probs, [generators[i] for i in rows])
-                                  ).argmax(dim=-1)
+        # small index tensors go through _on_device: no host wait for the forward before them
+        sampled = logits if not greedy else logits[_on_device(rows, torch.int64, logits.device)]
+        probs = filtered_probs(sampled, [params[i] for i in rows])
+        drawn = probs.div_(_exponential_noise(probs, [generators[i] for i in rows])).argmax(-1)
+        if not greedy:
+            return drawn
+        out = logits.argmax(dim=-1)
+        out[_on_device(rows, torch.int64, logits.device)] = drawn
         return out
 
 
@@ -170,15 +184,9 @@ def _exponential_noise(probs: torch.Tensor,
     chosen.
     """
     noise = torch.empty_like(probs)
-    shared = [j for j, g in enumerate(generators) if g is None]
-    if len(shared) == len(generators):
-        noise.exponential_()
-    else:
-        if shared:
-            idx = torch.tensor(shared, device=probs.device)
-            noise[idx] = torch.empty((len(shared), probs.shape[1]), dtype=probs.dtype,
-                                     device=probs.device).exponential_()
-        for j, gen in enumerate(generators):
-            if gen is not None:
-                noise[j].exponential_(generator=gen)
+    if any(g is None for g in generators):
+        noise.exponential_()  # seeded rows are overwritten below: no index tensor needed
+    for j, gen in enumerate(generators):
+        if gen is not None:
+            noise[j].exponential_(generator=gen)
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
