@@ -160,13 +160,14 @@ class Sampler:
             return logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         # small index tensors go through _on_device: no host wait for the forward before them
-        sampled = logits if not greedy else logits[_on_device(rows, torch.int64, logits.device)]
-        probs = filtered_probs(sampled, [params[i] for i in rows])
+        row_idx = _on_device(rows, torch.int64, logits.device) if greedy else None
+        probs = filtered_probs(logits if row_idx is None else logits[row_idx],
+                               [params[i] for i in rows])
         drawn = probs.div_(_exponential_noise(probs, [generators[i] for i in rows])).argmax(-1)
-        if not greedy:
+        if row_idx is None:
             return drawn
         out = logits.argmax(dim=-1)
-        out[_on_device(rows, torch.int64, logits.device)] = drawn
+        out[row_idx] = drawn
         return out
 
 
@@ -178,8 +179,8 @@ def _exponential_noise(probs: torch.Tensor,
     ``argmax(probs / noise)`` is then an exact draw from each row's distribution (the
     exponential race: the first of independent clocks of rates p_v to ring), which vLLM's
     sampler uses too. A seeded row costs one fill of its noise row, where a draw of its own
-    through ``torch.multinomial`` costs several kernels and a write of the result: a fifth of
-    the host time per seeded row on the CPU machine. Noise of exactly 0 (possible, at float
+    through ``torch.multinomial`` costs several kernels and a write of the result (128 seeded
+    rows: a tenth of the host time on the H200, ``benchmarks/sampler_host.py``). Noise of exactly 0 (possible, at float
     resolution) is raised to the smallest normal float, so a token of probability 0 is never
     chosen.
     """
