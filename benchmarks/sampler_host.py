@@ -1,6 +1,8 @@
 """Host time of the sampler's draw for sampled rows, seeded (every request that comes through
 the router) and on the default RNG, beside a draw of ``torch.multinomial`` per seeded row (how
-seeded rows were drawn before the exponential race), in the same run.
+seeded rows were drawn before the exponential race), in the same run; and of DFLASH's
+acceptance of sampled rows (blocks of ``--block``), the batch at once beside row by row (one
+host read each, as it was done before).
 
     python -m benchmarks.sampler_host [--rows 1,32,128,256] [--vocab 64,8192] [--device cpu]
 
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from common.engine.acceptance import accept_sampled, accept_sampled_rows
 from common.engine.sampler import Sampler, filtered_probs, make_generator
 from common.sampling import SamplingParams
 
@@ -58,21 +61,49 @@ def measure(rows: int, vocab: int, device: torch.device, repeats: int) -> dict:
     }
 
 
+def measure_acceptance(rows: int, vocab: int, block: int, device: torch.device,
+                       repeats: int) -> dict:
+    logits = torch.randn(rows, block, vocab, device=device)
+    drafts = torch.randint(0, vocab, (rows, block - 1), device=device)
+    params = [SamplingParams(temperature=0.7, seed=i) for i in range(rows)]
+    generators = [make_generator(i, device) for i in range(rows)]
+
+    def row_by_row():
+        return [accept_sampled(drafts[i], logits[i], params[i], generators[i])
+                for i in range(rows)]
+
+    return {"rows": rows, "vocab": vocab, "block": block,
+            "batch_ms": _ms(lambda: accept_sampled_rows(drafts, logits, params, generators),
+                            repeats, device),
+            "row_by_row_ms": _ms(row_by_row, repeats, device)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1,32,128,256")
     p.add_argument("--vocab", default="64,8192")
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--block", type=int, default=16, help="DFLASH block size (0: skip acceptance)")
     p.add_argument("--out", default="out/sampler_host.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     results = [measure(n, v, device, args.repeats)
                for v in map(int, args.vocab.split(",")) for n in map(int, args.rows.split(","))]
+    accepts = [measure_acceptance(n, v, args.block, device, args.repeats)
+               for v in map(int, args.vocab.split(",")) for n in map(int, args.rows.split(","))
+               ] if args.block > 1 else []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": str(device), "torch_threads": torch.get_num_threads(),
-                               "rows": results}, indent=2))
+                               "rows": results, "acceptance": accepts}, indent=2))
+    if accepts:
+        print(f"DFLASH acceptance of sampled rows, block {args.block}")
+        print(f"{'rows':>5} {'vocab':>7} {'batch ms':>9} {'row by row ms':>14} {'x batch':>8}")
+        for r in accepts:
+            print(f"{r['rows']:>5} {r['vocab']:>7} {r['batch_ms']:>9.3f} "
+                  f"{r['row_by_row_ms']:>14.3f} {r['row_by_row_ms'] / r['batch_ms']:>7.2f}x")
+        print("sampler")
     print(f"{'rows':>5} {'vocab':>7} {'seeded ms':>10} {'unseeded ms':>12} "
           f"{'multinomial/row ms':>19} {'x seeded':>9}")
     for r in results:

@@ -11,11 +11,12 @@ position's p. p_i is the request's own filtered distribution (temperature, top-k
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from common.engine.sampler import filtered_probs
+from common.engine.sampler import exponential_noise, filtered_probs
 from common.sampling import SamplingParams
 
 
@@ -54,29 +55,69 @@ def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> list[Acceptance
     return read_greedy(greedy_match(drafts, logits))
 
 
-def accept_sampled(drafts_row: torch.Tensor, logits_row: torch.Tensor, params: SamplingParams,
-                   generator: torch.Generator | None) -> Acceptance:
-    """Lossless rejection sampling of one request's point-mass drafts [B-1] against its target
-    logits [B, V], on the logits' device with one host read.
+# rows of a batch taken together by accept_sampled_rows: at most this many elements in each
+# [rows, B, V] temporary (64 MiB in fp32), so a large vocabulary costs memory by chunks
+CHUNK_ELEMENTS = 1 << 24
 
-    Every draft's uniform is drawn at once (those after the first rejection go unused, which
-    changes nothing: each is independent of the rest), then one draw from the distribution the
+
+def accept_sampled_rows(drafts: torch.Tensor, logits: torch.Tensor,
+                        params: Sequence[SamplingParams],
+                        generators: Sequence[torch.Generator | None]) -> list[Acceptance]:
+    """Lossless rejection sampling of N requests' point-mass drafts [N, B-1] against their
+    target logits [N, B, V], on the logits' device with one host read for the whole batch.
+
+    Each row draws every draft's uniform at once from its own generator (those after the
+    first rejection go unused, which changes nothing: each is independent of the rest), then
+    one draw, by the exponential race of ``common.engine.sampler``, from the distribution the
     rule gives after the accepted prefix: the residual at the first rejection, or the last
-    position's p when every draft is kept.
+    position's p when every draft is kept. Rows are taken ``CHUNK_ELEMENTS`` at a time.
     """
-    probs = filtered_probs(logits_row, params)  # [B, V], rows sum to 1
-    k = drafts_row.numel()
-    drafts = drafts_row.to(device=probs.device, dtype=torch.int64).view(k, 1)
-    u = torch.rand(k, generator=generator, device=probs.device)
-    residual = probs[:k].scatter(1, drafts, 0.0)
-    total = residual.sum(-1)
+    n, b, vocab = logits.shape
+    k = b - 1
+    if drafts.shape != (n, k) or len(params) != n or len(generators) != n:
+        raise ValueError(f"need drafts [N, B-1] and one SamplingParams and generator per row: "
+                         f"drafts {tuple(drafts.shape)}, logits {tuple(logits.shape)}, "
+                         f"{len(params)} params, {len(generators)} generators")
+    device = logits.device
+    drafts = drafts.to(device=device, dtype=torch.int64)
+    step = max(1, CHUNK_ELEMENTS // (b * vocab))
+    outcomes = []
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        outcomes.append(_accept_chunk(drafts[lo:hi], logits[lo:hi], params[lo:hi],
+                                      generators[lo:hi]))
+    accepted, bonus = torch.cat(outcomes, dim=1).tolist()
+    return [Acceptance(int(a), int(t)) for a, t in zip(accepted, bonus)]
+
+
+def _accept_chunk(drafts: torch.Tensor, logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """``[2, n]``: accepted drafts and the bonus token of each row (see accept_sampled_rows)."""
+    n, b, vocab = logits.shape
+    k = b - 1
+    probs = filtered_probs(logits.reshape(n * b, vocab),
+                           [p for p in params for _ in range(b)]).view(n, b, vocab)
+    u = torch.stack([torch.rand(k, generator=g, device=logits.device) for g in generators])
+    index = drafts.view(n, k, 1)
+    p_draft = probs[:, :k].gather(2, index).squeeze(2)  # [n, k]
     # a rejection where p puts all its mass on the draft (u fell on p's rounding error below
     # 1) keeps the draft: it is the only draw the distribution allows
-    keep = (u < probs[:k].gather(1, drafts).squeeze(1)) | ~(total > 0)
-    accepted = keep.int().cumprod(0).sum()  # the first rejection's index, or k
-    rows = torch.cat([residual / total.clamp_min(torch.finfo(total.dtype).tiny)[:, None],
-                      probs[k:k + 1]])
-    bonus = torch.multinomial(rows.index_select(0, accepted.view(1)), 1,
-                              generator=generator).view(())
-    n, token = torch.stack([accepted.to(torch.int64), bonus]).tolist()
-    return Acceptance(int(n), int(token))
+    others = (probs[:, :k] > 0).sum(-1) - (p_draft > 0).int()  # tokens besides the draft
+    keep = (u < p_draft) | (others == 0)
+    accepted = keep.int().cumprod(1).sum(1)  # each row's first rejection, or k
+    # what follows: at a rejection the residual max(p - q, 0), that is p without the rejected
+    # draft; after every draft the last position's p. The race below needs no normalising.
+    rows = torch.arange(n, device=logits.device)
+    chosen = probs[rows, accepted]  # [n, V]
+    rejected = drafts[rows, accepted.clamp(max=k - 1)].view(n, 1)
+    kept = chosen.gather(1, rejected).masked_fill((accepted < k).view(n, 1), 0.0)
+    chosen.scatter_(1, rejected, kept)
+    bonus = chosen.div_(exponential_noise(chosen, generators)).argmax(-1)
+    return torch.stack([accepted.to(torch.int64), bonus])
+
+
+def accept_sampled(drafts_row: torch.Tensor, logits_row: torch.Tensor, params: SamplingParams,
+                   generator: torch.Generator | None) -> Acceptance:
+    """:func:`accept_sampled_rows` for one request: drafts [B-1], logits [B, V]."""
+    return accept_sampled_rows(drafts_row.view(1, -1), logits_row.unsqueeze(0), [params],
+                               [generator])[0]

@@ -18,7 +18,7 @@ import torch
 
 from common.sampling import SamplingParams
 
-__all__ = ["Sampler", "filtered_probs", "make_generator"]
+__all__ = ["Sampler", "exponential_noise", "filtered_probs", "make_generator"]
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -163,7 +163,7 @@ class Sampler:
         row_idx = _on_device(rows, torch.int64, logits.device) if greedy else None
         probs = filtered_probs(logits if row_idx is None else logits[row_idx],
                                [params[i] for i in rows])
-        drawn = probs.div_(_exponential_noise(probs, [generators[i] for i in rows])).argmax(-1)
+        drawn = probs.div_(exponential_noise(probs, [generators[i] for i in rows])).argmax(-1)
         if row_idx is None:
             return drawn
         out = logits.argmax(dim=-1)
@@ -171,7 +171,7 @@ class Sampler:
         return out
 
 
-def _exponential_noise(probs: torch.Tensor,
+def exponential_noise(probs: torch.Tensor,
                        generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """Exp(1) noise shaped like ``probs`` [N, V]: row j from ``generators[j]``'s stream (the
     default RNG where None, for all such rows in one draw).

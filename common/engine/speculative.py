@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from common.cache.kv_pool import KVPool, page_table
 from common.cache.state_pool import GDNStatePool
-from common.engine.acceptance import (Acceptance, accept_greedy, accept_sampled, greedy_match,
-                                     read_greedy)
+from common.engine.acceptance import (Acceptance, accept_greedy, accept_sampled_rows,
+                                     greedy_match, read_greedy)
 from common.engine.commit_graph import GreedyCommitGraphs
 from common.engine.cuda_graph import CudaGraphConfig, GraphRunner, recorded_event
 from common.engine.draft_graph import DraftGraphRunner
@@ -242,9 +242,13 @@ class DFlashSpeculator:
             index = torch.tensor(greedy_rows, device=logits.device)
             for i, a in zip(greedy_rows, accept_greedy(drafts[index], logits[index])):
                 result[i] = a
-        for i, r in enumerate(requests):
-            if result[i] is None:
-                seed_for(r)
-                result[i] = accept_sampled(drafts[i], logits[i], r.params, r.generator)
+        sampled = [i for i, r in enumerate(requests) if result[i] is None]
+        for i in sampled:
+            seed_for(requests[i])
+        index = torch.tensor(sampled, device=logits.device)
+        for i, a in zip(sampled, accept_sampled_rows(
+                drafts[index], logits[index], [requests[i].params for i in sampled],
+                [requests[i].generator for i in sampled])):
+            result[i] = a
         return result
 

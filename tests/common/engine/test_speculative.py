@@ -159,10 +159,11 @@ def test_sampled_distribution_is_unchanged_by_speculation(sampled_without_specul
 
 def test_a_wrong_acceptance_rule_is_caught(sampled_without_speculation, monkeypatch):
     """The test above has the power to see a lossy rule: accepting every draft."""
-    def accept_everything(drafts_row, logits_row, params, generator):
-        return Acceptance(len(drafts_row), int(torch.multinomial(
-            torch.softmax(logits_row[-1] / params.temperature, -1), 1, generator=generator)))
-    monkeypatch.setattr(speculative_module, "accept_sampled", accept_everything)
+    def accept_everything(drafts, logits, params, generators):
+        return [Acceptance(drafts.shape[1], int(torch.multinomial(
+            torch.softmax(row[-1] / p.temperature, -1), 1, generator=g)))
+            for row, p, g in zip(logits, params, generators)]
+    monkeypatch.setattr(speculative_module, "accept_sampled_rows", accept_everything)
     target, draft = small_models()
     stat, df = chi_square(sample_continuations(target, draft), sampled_without_speculation)
     assert stat > critical_value(df), (stat, df)

@@ -1,0 +1,54 @@
+"""common/engine/acceptance.py: the batched rejection sampling of sampled rows (its
+losslessness is tested statistically through the engine in test_speculative.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine import acceptance
+from common.engine.acceptance import accept_sampled_rows
+from common.engine.sampler import make_generator
+from common.sampling import SamplingParams
+
+
+def _batch(n=5, b=4, vocab=23, seed=0):
+    torch.manual_seed(seed)
+    logits = torch.randn(n, b, vocab) * 3
+    drafts = torch.randint(0, vocab, (n, b - 1))
+    drafts[0] = logits[0, :-1].argmax(-1)  # a row whose drafts are the likeliest tokens
+    params = [SamplingParams(temperature=0.5 + 0.2 * i, top_k=0 if i % 2 else 6, seed=i)
+              for i in range(n)]
+    return drafts, logits, params
+
+
+def test_rows_taken_in_chunks_give_what_one_chunk_gives(monkeypatch):
+    drafts, logits, params = _batch()
+    whole = accept_sampled_rows(drafts, logits, params,
+                                [make_generator(p.seed, "cpu") for p in params])
+    monkeypatch.setattr(acceptance, "CHUNK_ELEMENTS", 1)  # one row at a time
+    rows = accept_sampled_rows(drafts, logits, params,
+                               [make_generator(p.seed, "cpu") for p in params])
+    assert rows == whole  # each row's draws come from its own generator, in the same order
+
+
+def test_at_a_tiny_temperature_every_row_is_greedy():
+    drafts, logits, _ = _batch(n=4)
+    choice = logits.argmax(-1)  # [n, B]
+    drafts = choice[:, :-1].clone()
+    wrong_at = [0, 1, 3, 2]  # 3 = none wrong: every draft kept, the bonus is the last argmax
+    for r, j in enumerate(wrong_at):
+        if j < drafts.shape[1]:
+            drafts[r, j] = (choice[r, j] + 1) % logits.shape[-1]
+    params = [SamplingParams(temperature=1e-300)] * 4
+    out = accept_sampled_rows(drafts, logits, params, [None] * 4)
+    assert [(a.num_accepted, a.bonus) for a in out] == [
+        (j, int(choice[r, j])) for r, j in enumerate(wrong_at)]
+
+
+def test_a_batch_of_the_wrong_shape_is_refused():
+    drafts, logits, params = _batch(n=3)
+    with pytest.raises(ValueError, match="drafts"):
+        accept_sampled_rows(drafts[:, :-1], logits, params, [None] * 3)
+    with pytest.raises(ValueError, match="generator"):
+        accept_sampled_rows(drafts, logits, params, [None] * 2)
