@@ -46,19 +46,21 @@ def _filtered_probs_2d(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     """Row-wise final distributions [N, V] (fp32) for 2-D logits; see `filtered_probs`."""
     n, vocab = logits.shape
     device = logits.device
-    probs = torch.empty((n, vocab), dtype=torch.float32, device=device)
-
     greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    # the whole [N, V] output and the rows' index exist only for a batch of both kinds
+    probs = row_idx = None
     if greedy_rows:
+        probs = torch.empty((n, vocab), dtype=torch.float32, device=device)
         # The greedy "distribution" is a point mass on the argmax, which makes rejection sampling
         # against a greedy target reduce to exact-match verification.
         idx = _on_device(greedy_rows, torch.int64, device)
         onehot = torch.zeros((len(greedy_rows), vocab), dtype=torch.float32, device=device)
         onehot.scatter_(1, logits[idx].argmax(dim=-1, keepdim=True), 1.0)
         probs[idx] = onehot
-    rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if not rows:
-        return probs
+        if not rows:
+            return probs
+        row_idx = _on_device(rows, torch.int64, device)
     sel = [params[i] for i in rows]
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in sel]
     top_ps = [p.top_p for p in sel]
@@ -67,8 +69,7 @@ def _filtered_probs_2d(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     # below 2^24), top-p, min-p
     settings = _on_device([[p.temperature for p in sel], top_ks, top_ps, min_ps], torch.float32,
                           device)
-    x = logits if len(rows) == n else logits[_on_device(rows, torch.int64, device)]
-    x = x.float() / settings[0].unsqueeze(1)
+    x = (logits if row_idx is None else logits[row_idx]).float() / settings[0].unsqueeze(1)
 
     # top-k and top-p act on ranks, so they share one sort. Skipping them when no row asks keeps
     # the common (default) case free of a full-vocabulary sort.
@@ -101,9 +102,9 @@ def _filtered_probs_2d(logits: torch.Tensor, params: Sequence[SamplingParams]) -
         p_max = p.max(dim=-1, keepdim=True).values
         p = p.masked_fill(p < mp * p_max, 0.0)
         p = p / p.sum(dim=-1, keepdim=True)
-    if len(rows) == n:
+    if row_idx is None:
         return p
-    probs[_on_device(rows, torch.int64, device)] = p
+    probs[row_idx] = p
     return probs
 
 
@@ -180,9 +181,9 @@ def exponential_noise(probs: torch.Tensor,
     exponential race: the first of independent clocks of rates p_v to ring), which vLLM's
     sampler uses too. A seeded row costs one fill of its noise row, where a draw of its own
     through ``torch.multinomial`` costs several kernels and a write of the result (128 seeded
-    rows: a tenth of the host time on the H200, ``benchmarks/sampler_host.py``). Noise of exactly 0 (possible, at float
-    resolution) is raised to the smallest normal float, so a token of probability 0 is never
-    chosen.
+    rows: a tenth of the host time on the H200, ``benchmarks/sampler_host.py``). Noise of
+    exactly 0 (possible, at float resolution) is raised to the smallest normal float, so a
+    token of probability 0 is never chosen.
     """
     noise = torch.empty_like(probs)
     if any(g is None for g in generators):
