@@ -16,10 +16,11 @@ Larger T (prefill, which is never captured) goes to the reference.
 
 With expert parallelism (``expert_offset``) tokens are routed over all the router's experts as
 always; a pair whose expert another rank holds gets weight 0 and a held expert's id in its
-place (:func:`held_pairs`), so shapes stay fixed by T and the pair adds exactly 0. Written in plain torch
-rather than as a fused grouped-GEMM kernel: these paths need no kernel of our own to be
-correct, and at decode batch sizes they are bound by reading expert weights, which both do at
-most three times over (gathered) or once (dense).
+place (:func:`held_pairs`), so shapes stay fixed by T and the pair adds exactly 0.
+
+Written in plain torch rather than as a fused grouped-GEMM kernel: these paths need no kernel
+of our own to be correct, and at decode batch sizes they are bound by reading expert weights,
+which both do at most three times over (gathered) or once (dense).
 
 Roundings follow the reference: each expert's projections in x.dtype (fp32 accumulation), the
 routing weights rounded to x.dtype, the weighted sum over experts in fp32 (here in top-k or
