@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,19 +16,24 @@ from common.engine.scheduler import ScheduledStep
 from common.model.forward_batch import ForwardBatch, ForwardMode
 from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
 
+if TYPE_CHECKING:
+    from common.parallel.followers import FollowerLink
+
 
 class ModelRunner:
     """Args:
         graphs: replays DECODE steps it serves from CUDA graphs; others run eagerly.
+        followers: on rank 0 of a tensor-parallel model, the engine's one link to the other
+            ranks (``common/parallel/followers.py``), shared with its graph runners: the link
+            records which page lists the followers hold, so there must be only one.
 
-    On rank 0 of a tensor-parallel model every forward is first sent to the followers
-    (``common/parallel/followers.py``), which run the same batch on their shards (a graph
-    replay is sent by the graph runner itself, which then has ``followers`` too).
+    On rank 0 of a tensor-parallel model every forward is first sent to the followers, which
+    run the same batch on their shards (a graph replay is sent by the graph runner itself).
     """
 
     def __init__(self, model: HybridForCausalLM, kv_pool: KVPool, state_pool: GDNStatePool,
                  device: torch.device | str, graphs: GraphRunner | None = None,
-                 followers=None) -> None:
+                 followers: FollowerLink | None = None) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -35,12 +41,13 @@ class ModelRunner:
         self.graphs = graphs
         self.followers = None
         if model.tp.world_size > 1:
-            from common.parallel.followers import FollowerLink
-
-            if graphs is not None and graphs.followers is None:
-                raise ValueError("a tensor-parallel model's graphs need its followers, or a "
-                                 "replay would not reach them")
-            self.followers = followers if followers is not None else FollowerLink(model.tp)
+            if followers is None:
+                raise ValueError("a tensor-parallel model's runner needs rank 0's link to its "
+                                 "followers")
+            if graphs is not None and graphs.followers is not followers:
+                raise ValueError("a tensor-parallel model's graphs need the runner's link to "
+                                 "its followers, or a replay would not reach them in step")
+            self.followers = followers
 
     def batch_args(self, step: ScheduledStep, *, return_all_logits: bool = False) -> dict:
         """``ForwardBatch.build``'s arguments for ``step`` (all host values), less the device."""
