@@ -58,4 +58,6 @@ class IndexAllocator:
                     raise ValueError(f"{self.name}: index {i} is not allocated")
             for i in indices:
                 self._used.remove(i)
-                self._free.append(i)
+            # reversed, so the next allocation pops them in their order: a request's pages
+            # then come in runs of consecutive ids, which a host copy lands as one slice each
+            self._free.extend(reversed(indices))

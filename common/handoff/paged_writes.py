@@ -8,6 +8,7 @@ walk the bytes the same way, so they share this walk.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from common.handoff.reservation import ChunkBytes, host_bytes, write_bytes
@@ -39,8 +40,12 @@ def write_paged(pool: torch.Tensor, layer: int, page_ids: list[int], num_pages: 
             count = min(left // page_bytes, num_pages - page)
             n = count * page_bytes
             rows = as_dtype(src[start:start + n].to(pool.device, non_blocking=True), pool.dtype)
-            index = torch.tensor(page_ids[page:page + count], device=pool.device)
-            pool[layer, index, half] = rows.view(count, *page_shape)
+            rows = rows.view(count, *page_shape)
+            if pool.device.type == "cuda":  # one scatter kernel, whatever the pages
+                index = torch.tensor(page_ids[page:page + count], device=pool.device)
+                pool[layer, index, half] = rows
+            else:
+                _copy_runs(pool[layer, :, half], page_ids[page:page + count], rows)
         else:
             n = min(page_bytes - intra, left)
             target = pool[layer, page_ids[page], half]
@@ -52,6 +57,22 @@ def write_paged(pool: torch.Tensor, layer: int, page_ids: list[int], num_pages: 
                 target.copy_(piece)
         start += n
         pos += n
+
+
+def _copy_runs(pages: torch.Tensor, page_ids: list[int], rows: torch.Tensor) -> None:
+    """``pages[page_ids] = rows`` on the host as one slice copy per run of consecutive ids.
+
+    torch's ``index_put`` on the CPU moves element by element (two bytes at a time in bf16), the
+    slowest step of a landing by far; a strided slice copy runs at memory speed, numpy's about
+    1.4x torch's ``copy_`` on the 2-core machine (9.0 against 6.4 GB/s, 32 KiB pages). Both views
+    are taken as bytes, as numpy has no bf16."""
+    dst, src = pages.view(torch.uint8).numpy(), rows.view(torch.uint8).numpy()
+    first = 0
+    for i in range(1, len(page_ids) + 1):
+        if i == len(page_ids) or page_ids[i] != page_ids[i - 1] + 1:
+            start = page_ids[first]
+            np.copyto(dst[start:start + i - first], src[first:i])
+            first = i
 
 
 def as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

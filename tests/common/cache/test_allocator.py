@@ -64,6 +64,15 @@ def test_freed_indices_are_reused_most_recent_first():
     assert alloc.allocate(1) == [a[1]]
 
 
+def test_a_freed_run_comes_back_in_its_order():
+    # consecutive pages land as one host copy (common/handoff/paged_writes.py)
+    alloc = IndexAllocator(10, name="pages")
+    pages = alloc.allocate(4)
+    assert pages == [1, 2, 3, 4]
+    alloc.free(pages)
+    assert alloc.allocate(4) == pages
+
+
 def test_capacity_below_two_is_refused():
     with pytest.raises(ValueError, match="at least 2"):
         IndexAllocator(1, name="pages")

@@ -13,10 +13,10 @@ L, POOL_PAGES, PAGE, HEADS, D = 2, 9, 4, 4, 8
 
 @pytest.mark.parametrize("heads", [slice(0, HEADS), slice(1, 3)])
 @pytest.mark.parametrize("cuts", [(), (7,), (3, 130, 131, 517)])
-def test_bytes_land_at_the_request_pages(heads, cuts):
+@pytest.mark.parametrize("page_ids", [[5, 1, 7], [2, 3, 4, 8, 6, 7]])  # runs of consecutive ids
+def test_bytes_land_at_the_request_pages(heads, cuts, page_ids):
     gen = torch.Generator().manual_seed(len(cuts) + heads.start)
     pool = torch.zeros(L, POOL_PAGES, 2, PAGE, HEADS, D, dtype=torch.bfloat16)
-    page_ids = [5, 1, 7]
     width = heads.stop - heads.start
     field = torch.randn(2, len(page_ids), PAGE, width, D, generator=gen).to(torch.bfloat16)
     raw = field.reshape(-1).view(torch.uint8)
