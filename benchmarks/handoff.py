@@ -40,6 +40,7 @@ from benchmarks.shapes import SHAPES, shape_config
 from common.config import ModelConfig
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
 from common.handoff.payload import HandoffPayload, new_handoff_id
+from common.host_malloc import tune_host_malloc
 from common.model.builtin import tiny_config
 from common.request_spec import RequestSpec
 from common.worker_args import GIL_SWITCH_INTERVAL_S
@@ -307,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-pages", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a worker's process
+    tune_host_malloc()
     tls_flags = ()
     if args.tls_cert or args.tls_key or args.tls_ca:
         if not (args.tls_cert and args.tls_key and args.tls_ca):

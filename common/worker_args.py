@@ -14,6 +14,7 @@ from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.factory import EngineSettings
 from common.engine.llm_engine import CacheConfig, EngineConfig
 from common.engine.loop import serial_main_thread
+from common.host_malloc import tune_host_malloc
 from common.lifecycle import die_with_parent_if_asked
 from common.logging_setup import configure_logging
 from common.metrics.tls import metrics_ssl_context
@@ -130,9 +131,11 @@ def run_worker(args: argparse.Namespace, serve) -> int:
 
 
 def setup_process(level: str, log_format: str = "text") -> None:
-    """Logging, and a short GIL switch interval: the engine thread and the asyncio loop share
-    the GIL, and at the default 5 ms every token waits up to that long to reach the network."""
+    """Logging, a short GIL switch interval (the engine thread and the asyncio loop share the
+    GIL, and at the default 5 ms every token waits up to that long to reach the network), and
+    malloc settings that keep handoff-sized buffers in the process (``common/host_malloc.py``)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    tune_host_malloc()
     die_with_parent_if_asked()
     setup_logging(level, log_format)
 
