@@ -361,8 +361,12 @@ def _host_bytes(tensor: torch.Tensor):
 def _gather(pool: torch.Tensor, layer: int, index: torch.Tensor, tail: int) -> torch.Tensor:
     """Pages ``index`` (a device tensor of page ids) of one layer of
     ``[L, pool_pages, 2, page, ...]`` as ``[2, n, page, ...]``; the last ``tail`` token rows of
-    the last page (stale bytes of an earlier owner) zeroed."""
-    out = pool[layer].index_select(0, index).transpose(0, 1).contiguous()
+    the last page (stale bytes of an earlier owner) zeroed. Each half is gathered straight
+    into its place (one pass over the bytes, where a gather then a transposing copy made two)."""
+    src = pool[layer]
+    out = torch.empty((2, index.numel(), *src.shape[2:]), dtype=src.dtype, device=src.device)
+    for half in (0, 1):
+        torch.index_select(src[:, half], 0, index, out=out[half])
     if tail:
         out[:, -1, out.shape[2] - tail:] = 0
     return out
