@@ -26,7 +26,15 @@
 # target stage's kernel compilation off.
 # On a GPU, REGEN_PROMPTS (6144) and REGEN_TOKENS (384) size the draft's regenerated data, and
 # TAU_PROMPTS (64) and TAU_TOKENS (256) the τ benchmark: fewer for a larger target whose stage
-# must fit a time limit.
+# must fit a time limit. REGEN_TEMPERATURES (0,0.7) are the regeneration's temperatures, prompt
+# i continued at the (i mod n)-th.
+# TARGET_DIR=DIR: the regen, draft, tau and serve stages take this target (e.g. the shipped
+# common/model/weights/pycoder, to train a new draft for it) instead of OUT_DIR/pycoder; the
+# corpus is then CORPUS (or this interpreter's library), written to OUT_DIR/corpus once.
+# BASELINE_DRAFT=DIR|NAME: the tau stage also measures that draft's τ on the same prompts (no
+# speed), in OUT_DIR/tau_baseline.json and .txt: the draft it replaces, measured beside it.
+# KERNELS (auto) is the kernel set of every stage's serving-side model (gpu-fla where
+# FlashInfer's GDN kernels lack their CuTe-DSL libraries).
 # Results: OUT_DIR/pycoder and OUT_DIR/pycoder-dflash (checkpoints with provenance.json and
 # loss.png), OUT_DIR/ship/ (the two checkpoints as they go into common/model/weights/),
 # OUT_DIR/tau.json and tau.txt, OUT_DIR/serve.json and serve.txt. Needs the runtime, `train` and `gpu` extras (transformers,
@@ -58,6 +66,14 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 if [ -n "${CORPUS:-}" ]; then CORPUS=$(cd "$CORPUS" && pwd); fi
 cd "$(dirname "$0")/.."
+TARGET=$OUT/pycoder
+if [ -n "${TARGET_DIR:-}" ]; then
+    if [ "$STAGE" = target ] || [ "$STAGE" = all ]; then
+        echo "TARGET_DIR names a trained target: the $STAGE stage would train another" >&2; exit 2
+    fi
+    TARGET=$(cd "$TARGET_DIR" && pwd)
+fi
+KERNELS=${KERNELS:-auto}
 
 preflight() {
     DEVICE=$DEVICE "$PY" - <<'EOF'
@@ -75,12 +91,16 @@ if on_gpu and importlib.util.find_spec("fla") is None:
 EOF
 }
 
-stage_target() {
+write_corpus() {
     if [ -n "${CORPUS:-}" ]; then
         if [ "$CORPUS" != "$OUT/corpus" ]; then rm -rf "$OUT/corpus" && cp -r "$CORPUS" "$OUT/corpus"; fi
     else
         "$PY" -m common.training.corpus --out "$OUT/corpus"
     fi
+}
+
+stage_target() {
+    write_corpus
     local warm=""
     if [ "$DEVICE" = cuda ] && [ "${JIT_WARMUP:-1}" = 1 ]; then
         # The first serving-kernel use on a fresh machine compiles FlashInfer's modules (about
@@ -104,40 +124,51 @@ stage_target() {
 }
 
 stage_regen() {
-    "$PY" -m common.training.regenerate --model "$OUT/pycoder" --data "$OUT/corpus" \
+    if [ ! -f "$OUT/corpus/train.jsonl" ]; then write_corpus; fi
+    "$PY" -m common.training.regenerate --model "$TARGET" --data "$OUT/corpus" \
         --out "$OUT/regen.jsonl" --num-prompts "$REGEN_PROMPTS" --prompt-tokens 128 \
-        --max-new-tokens "$REGEN_TOKENS" --temperatures 0,0.7 --max-running 256 \
-        --device "$DEVICE"
+        --max-new-tokens "$REGEN_TOKENS" --temperatures "${REGEN_TEMPERATURES:-0,0.7}" \
+        --max-running 256 --device "$DEVICE" --kernels "$KERNELS"
 }
 
 stage_draft() {
-    if [ ! "$OUT/regen.jsonl" -nt "$OUT/pycoder/model.safetensors" ]; then stage_regen; fi
+    if [ ! "$OUT/regen.jsonl" -nt "$TARGET/model.safetensors" ]; then stage_regen; fi
     local resume=()
     if [ "${RESUME:-0}" = 1 ]; then resume=(--resume); else rm -rf "$OUT/pycoder-dflash"; fi
-    "$PY" -m router.cli train-draft --target "$OUT/pycoder" --data "$OUT/regen.jsonl" \
+    "$PY" -m router.cli train-draft --target "$TARGET" --data "$OUT/regen.jsonl" \
         --out "$OUT/pycoder-dflash" --block-size 16 --layers "${DRAFT_LAYERS:-2}" "${LAYER_ID_ARGS[@]}" \
         --seconds "$DRAFT_SECONDS" --batch-size "$DRAFT_BATCH" --seq-len "$SEQ" --anchors 32 \
-        --lr 1e-3 --checkpoint-every 500 --device "$DEVICE" "${resume[@]}"
+        --lr 1e-3 --checkpoint-every 500 --device "$DEVICE" --kernels "$KERNELS" "${resume[@]}"
     rm -rf "$OUT/ship"
     mkdir -p "$OUT/ship/pycoder" "$OUT/ship/pycoder-dflash"
-    cp "$OUT"/pycoder/{config.json,generation_config.json,model.safetensors,tokenizer.json} \
-       "$OUT"/pycoder/{tokenizer_config.json,provenance.json,loss.png} "$OUT/ship/pycoder/"
+    cp "$TARGET"/{config.json,generation_config.json,model.safetensors,tokenizer.json} \
+       "$TARGET"/{tokenizer_config.json,provenance.json,loss.png} "$OUT/ship/pycoder/"
     cp "$OUT"/pycoder-dflash/{config.json,model.safetensors,provenance.json,loss.png} \
        "$OUT/ship/pycoder-dflash/"
     du -sh "$OUT/ship"/*
 }
 
 stage_tau() {
-    "$PY" -m benchmarks.dflash_tau --model "$OUT/pycoder" --draft "$OUT/pycoder-dflash" \
+    if [ -n "${BASELINE_DRAFT:-}" ]; then
+        "$PY" -m benchmarks.dflash_tau --model "$TARGET" --draft "$BASELINE_DRAFT" \
+            --data "$OUT/corpus/eval.jsonl" --blocks 8,16 --temperatures 0,0.7 \
+            --num-prompts "$TAU_PROMPTS" --prompt-tokens 128 --max-new-tokens "$TAU_TOKENS" \
+            --device "$DEVICE" --kernels "$KERNELS" --json "$OUT/tau_baseline.json" \
+            | tee "$OUT/tau_baseline.txt"
+    fi
+    "$PY" -m benchmarks.dflash_tau --model "$TARGET" --draft "$OUT/pycoder-dflash" \
         --data "$OUT/corpus/eval.jsonl" --blocks 8,16 --temperatures 0,0.7 \
         --num-prompts "$TAU_PROMPTS" --prompt-tokens 128 --max-new-tokens "$TAU_TOKENS" \
-        --speed-batches "$SPEED" --device "$DEVICE" --json "$OUT/tau.json" | tee "$OUT/tau.txt"
+        --speed-batches "$SPEED" --device "$DEVICE" --kernels "$KERNELS" --json "$OUT/tau.json" \
+        | tee "$OUT/tau.txt"
 }
 
 stage_serve() {
     local kernels=()
-    if [ "$DEVICE" = cuda ]; then kernels=(--worker-arg=--kernels --worker-arg=gpu); fi
-    "$PY" -m benchmarks.dflash_serving --model "$OUT/pycoder" --draft "$OUT/pycoder-dflash" \
+    if [ "$DEVICE" = cuda ]; then
+        kernels=(--worker-arg=--kernels "--worker-arg=$([ "$KERNELS" = auto ] && echo gpu || echo "$KERNELS")")
+    fi
+    "$PY" -m benchmarks.dflash_serving --model "$TARGET" --draft "$OUT/pycoder-dflash" \
         --data "$OUT/corpus/eval.jsonl" --concurrency "$SPEED" --output-len "$SERVE_TOKENS" \
         --device "$DEVICE" "${kernels[@]}" --out "$OUT/serve.json" | tee "$OUT/serve.txt"
 }

@@ -10,12 +10,15 @@ windows of the training data; prompt i is continued at ``temperatures[i % len(te
         [--num-prompts 2048] [--prompt-tokens 128] [--max-new-tokens 384] [--device cuda]
 
 Each line of the output is ``{"token_ids": prompt + continuation, "prompt_tokens": n,
-"temperature": t}``: ``flashsplit train-draft --data regen.jsonl`` reads it.
+"temperature": t}``: ``flashsplit train-draft --data regen.jsonl`` reads it. Beside it,
+``regen.jsonl.provenance.json`` records the settings, the corpus's manifest, the counts and the
+environment; a draft trained on the data copies that record into its own provenance.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from common.training.provenance import environment, write_json
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,27 @@ def regenerate(config: RegenerateConfig) -> dict:
             f.write(json.dumps({"token_ids": prompt + r.output_ids, "prompt_tokens": len(prompt),
                                 "temperature": p.temperature}) + "\n")
     generated = sum(len(r.output_ids) for r in reqs)
-    return {"prompts": len(prompts), "generated_tokens": generated,
-            "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds, 1)}
+    result = {"prompts": len(prompts), "generated_tokens": generated,
+              "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds, 1)}
+    write_json(provenance_path(out), {
+        "what": "draft training data: the target's continuations of corpus prompts",
+        "config": dataclasses.asdict(config), "corpus": corpus_manifest(config.data),
+        "result": result, "environment": environment(config.device)})
+    return result
+
+
+def provenance_path(data: str | Path) -> Path:
+    """Where :func:`regenerate` records how the data at ``data`` was made."""
+    data = Path(data)
+    return data.with_name(data.name + ".provenance.json")
+
+
+def corpus_manifest(data: str | Path) -> dict | None:
+    """The ``manifest.json`` of the corpus ``data`` belongs to (a corpus directory or a file
+    in one), if it has one."""
+    data = Path(data)
+    manifest = (data if data.is_dir() else data.parent) / "manifest.json"
+    return json.loads(manifest.read_text()) if manifest.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,12 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-running", type=int, default=RegenerateConfig.max_running)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=RegenerateConfig.seed)
+    p.add_argument("--kernels", default=RegenerateConfig.kernels,
+                   help="the target's kernel set (auto: gpu on CUDA, else reference)")
     args = p.parse_args(argv)
     config = RegenerateConfig(
         model=args.model, data=args.data, out=args.out, num_prompts=args.num_prompts,
         prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
         temperatures=tuple(float(t) for t in args.temperatures.split(",") if t.strip()),
-        max_running=args.max_running, device=args.device, seed=args.seed)
+        max_running=args.max_running, device=args.device, kernels=args.kernels, seed=args.seed)
     result = regenerate(config)
     print(f"regenerate: {result['prompts']} prompts, {result['generated_tokens']} tokens in "
           f"{result['seconds']} s ({result['tokens_per_s']} tokens/s) -> {args.out}",

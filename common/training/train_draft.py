@@ -212,6 +212,14 @@ def train_draft(config: DraftTrainConfig) -> dict:
     return _write_report(run, seconds)
 
 
+def _data_provenance(data: str) -> dict | None:
+    """The record ``regenerate`` wrote beside the data, when the data was made by it."""
+    from common.training.regenerate import provenance_path
+
+    path = provenance_path(data)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def _write_report(run: _Run, seconds: float) -> dict:
     config, out = run.config, Path(run.config.out)
     steps = [h[0] for h in run.history]
@@ -231,6 +239,7 @@ def _write_report(run: _Run, seconds: float) -> dict:
         "target_config": run.target.config.raw,
         "data": config.data,
         "data_tokens": run.stream_tokens,
+        "data_made_by": _data_provenance(config.data),
         "training": {
             **json.loads(json.dumps(dataclasses.asdict(config))),
             "objective": "block diffusion: random anchors, blocks [anchor, MASK x (B-1)], "

@@ -7,8 +7,9 @@ import json
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.model.load import load_model
 from common.sampling import SamplingParams
-from common.training.regenerate import RegenerateConfig, regenerate
+from common.training.regenerate import RegenerateConfig, provenance_path, regenerate
 from common.training.token_data import read_documents
+from router.cli import main as flashsplit
 
 
 def test_continuations_are_the_engines(corpus_dir, tmp_path):
@@ -30,3 +31,19 @@ def test_continuations_are_the_engines(corpus_dir, tmp_path):
     text = "".join(read_documents(corpus_dir))
     assert bytes(prompt).decode("utf-8", errors="ignore")[2:-2] in text
     assert read_documents(out) == [r["token_ids"] for r in rows]  # train-draft reads it back
+
+
+def test_the_data_records_how_it_was_made_and_the_draft_carries_it(corpus_dir, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    result = regenerate(RegenerateConfig(model="tiny", data=str(corpus_dir), out=str(out),
+                                         num_prompts=2, prompt_tokens=12, max_new_tokens=4,
+                                         temperatures=(0.0,), max_running=2))
+    record = json.loads(provenance_path(out).read_text())
+    assert record["result"] == result and record["config"]["num_prompts"] == 2
+    assert record["corpus"] == json.loads((corpus_dir / "manifest.json").read_text())
+    draft = tmp_path / "draft"
+    assert flashsplit(["train-draft", "--target", "tiny", "--data", str(out), "--out", str(draft),
+                       "--steps", "1", "--block-size", "4", "--layers", "1", "--head-dim", "32",
+                       "--seq-len", "16", "--batch-size", "1", "--anchors", "2",
+                       "--no-progress"]) == 0
+    assert json.loads((draft / "provenance.json").read_text())["data_made_by"] == record
