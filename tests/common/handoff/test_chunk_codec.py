@@ -15,7 +15,8 @@ from common.pb.flashsplit.v1 import decode_pb2 as pb
 
 CASES = [("kv", 0, 0, b""), ("kv", 0, 0, b"x"), ("ssm_state", 3, 1 << 20, bytes(range(256))),
          ("conv_state", (1 << 32) - 1, (1 << 64) - 1, b"\x00" * 1000), ("", 1, 2, b"ab"),
-         ("dflash_context", 127, 128, b"y" * 300), ("é", 128, 16383, b"z" * 16384)]
+         ("dflash_context", 127, 128, b"y" * 300), ("é", 128, 16383, b"z" * 16384),
+         ("kv", 5, 7, bytes(range(256)) * 8192 + b"tail")]  # 2 MiB: filled without the GIL
 
 
 def protobuf_bytes(field, layer, offset, data) -> bytes:
@@ -46,6 +47,37 @@ def test_any_buffer_is_encoded_as_its_bytes():
         args = {"field": "kv", "layer": 0, "offset": 0, **bad}
         with pytest.raises(ValueError):
             chunk_prefix(nbytes=1, **args)
+
+
+def test_a_large_chunk_is_encoded_with_the_gil_released():
+    # As test_checksum's: with a long switch interval, a copy that held the GIL would leave the
+    # other thread's counter still for the whole call; released, it moves.
+    import sys
+    import threading
+    data = memoryview(np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8))
+    counter = [0]
+    done = threading.Event()
+
+    def spin():
+        while not done.is_set():
+            counter[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)
+    thread = threading.Thread(target=spin)
+    thread.start()
+    moved = []
+    try:
+        for _ in range(2):
+            before = counter[0]
+            encoded = encode_chunk("kv", 1, 0, data)
+            moved.append(counter[0] - before)
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert min(moved) > 1000, moved
+    assert decode_chunk(encoded).data == data
 
 
 def test_decoded_data_lands_in_place():
