@@ -14,6 +14,7 @@ import torch
 
 import crc32c as crc32c_package
 from common.handoff import checksum
+from tests.common.handoff.gil_probe import counter_moves
 from common.handoff.checksum import (CRC32, CRC32C, Crc32Polynomial, crc32_combine, crc32c,
                                      crc32c_combine,
                                      fast_crc32c_available)
@@ -142,30 +143,7 @@ def test_missing_extension_is_refused():
 
 
 def test_the_gil_is_released_over_a_view():
-    # Another thread runs Python while a large memoryview (not bytes) is checksummed. With a
-    # long switch interval a call that held the GIL would leave that thread's counter still
-    # (google-crc32c over an ndarray: 0); released, it moves the whole call.
-    import threading
+    # google-crc32c over an ndarray held it: the counter stayed at 0
     data = memoryview(np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8))
-    counter = [0]
-    done = threading.Event()
-
-    def spin():
-        while not done.is_set():
-            counter[0] += 1
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.05)
-    thread = threading.Thread(target=spin)
-    thread.start()
-    moved = []
-    try:
-        for _ in range(2):
-            before = counter[0]
-            crc32c(data)
-            moved.append(counter[0] - before)
-    finally:
-        done.set()
-        thread.join()
-        sys.setswitchinterval(interval)
+    moved = counter_moves(lambda: crc32c(data))
     assert min(moved) > 1000, moved

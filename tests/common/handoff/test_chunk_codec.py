@@ -12,6 +12,7 @@ from google.protobuf.message import DecodeError
 
 from common.handoff.chunk_codec import chunk_prefix, decode_chunk, encode_chunk
 from common.pb.flashsplit.v1 import decode_pb2 as pb
+from tests.common.handoff.gil_probe import counter_moves
 
 CASES = [("kv", 0, 0, b""), ("kv", 0, 0, b"x"), ("ssm_state", 3, 1 << 20, bytes(range(256))),
          ("conv_state", (1 << 32) - 1, (1 << 64) - 1, b"\x00" * 1000), ("", 1, 2, b"ab"),
@@ -50,34 +51,11 @@ def test_any_buffer_is_encoded_as_its_bytes():
 
 
 def test_a_large_chunk_is_encoded_with_the_gil_released():
-    # As test_checksum's: with a long switch interval, a copy that held the GIL would leave the
-    # other thread's counter still for the whole call; released, it moves.
-    import sys
-    import threading
     data = memoryview(np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8))
-    counter = [0]
-    done = threading.Event()
-
-    def spin():
-        while not done.is_set():
-            counter[0] += 1
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.05)
-    thread = threading.Thread(target=spin)
-    thread.start()
-    moved = []
-    try:
-        for _ in range(2):
-            before = counter[0]
-            encoded = encode_chunk("kv", 1, 0, data)
-            moved.append(counter[0] - before)
-    finally:
-        done.set()
-        thread.join()
-        sys.setswitchinterval(interval)
-    assert min(moved) > 1000, moved
-    assert decode_chunk(encoded).data == data
+    encoded = []
+    moved = counter_moves(lambda: encoded.append(encode_chunk("kv", 1, 0, data)))
+    assert min(moved) > 1000, moved  # bytes.join over a memoryview held it: 0
+    assert decode_chunk(encoded[-1]).data == data
 
 
 def test_decoded_data_lands_in_place():
