@@ -148,26 +148,25 @@ stage_draft() {
     du -sh "$OUT/ship"/*
 }
 
-stage_tau() {
-    if [ -n "${BASELINE_DRAFT:-}" ]; then
-        "$PY" -m benchmarks.dflash_tau --model "$TARGET" --draft "$BASELINE_DRAFT" \
-            --data "$OUT/corpus/eval.jsonl" --blocks 8,16 --temperatures 0,0.7 \
-            --num-prompts "$TAU_PROMPTS" --prompt-tokens 128 --max-new-tokens "$TAU_TOKENS" \
-            --device "$DEVICE" --kernels "$KERNELS" --json "$OUT/tau_baseline.json" \
-            | tee "$OUT/tau_baseline.txt"
-    fi
-    "$PY" -m benchmarks.dflash_tau --model "$TARGET" --draft "$OUT/pycoder-dflash" \
+# tau DRAFT NAME [ARGS...]: τ of DRAFT on the held-out prompts, in OUT/NAME.json and .txt
+tau() {
+    local draft=$1 name=$2
+    shift 2
+    "$PY" -m benchmarks.dflash_tau --model "$TARGET" --draft "$draft" \
         --data "$OUT/corpus/eval.jsonl" --blocks 8,16 --temperatures 0,0.7 \
         --num-prompts "$TAU_PROMPTS" --prompt-tokens 128 --max-new-tokens "$TAU_TOKENS" \
-        --speed-batches "$SPEED" --device "$DEVICE" --kernels "$KERNELS" --json "$OUT/tau.json" \
-        | tee "$OUT/tau.txt"
+        --device "$DEVICE" --kernels "$KERNELS" --json "$OUT/$name.json" "$@" \
+        | tee "$OUT/$name.txt"
+}
+
+stage_tau() {
+    if [ -n "${BASELINE_DRAFT:-}" ]; then tau "$BASELINE_DRAFT" tau_baseline; fi
+    tau "$OUT/pycoder-dflash" tau --speed-batches "$SPEED"
 }
 
 stage_serve() {
     local kernels=()
-    if [ "$DEVICE" = cuda ]; then
-        kernels=(--worker-arg=--kernels "--worker-arg=$([ "$KERNELS" = auto ] && echo gpu || echo "$KERNELS")")
-    fi
+    if [ "$DEVICE" = cuda ]; then kernels=(--worker-arg=--kernels "--worker-arg=$KERNELS"); fi
     "$PY" -m benchmarks.dflash_serving --model "$TARGET" --draft "$OUT/pycoder-dflash" \
         --data "$OUT/corpus/eval.jsonl" --concurrency "$SPEED" --output-len "$SERVE_TOKENS" \
         --device "$DEVICE" "${kernels[@]}" --out "$OUT/serve.json" | tee "$OUT/serve.txt"

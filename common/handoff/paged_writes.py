@@ -41,11 +41,11 @@ def write_paged(pool: torch.Tensor, layer: int, page_ids: list[int], num_pages: 
             n = count * page_bytes
             rows = as_dtype(src[start:start + n].to(pool.device, non_blocking=True), pool.dtype)
             rows = rows.view(count, *page_shape)
-            if pool.device.type == "cuda":  # one scatter kernel, whatever the pages
+            if pool.device.type == "cpu":
+                _copy_runs(pool[layer, :, half], page_ids[page:page + count], rows)
+            else:  # one scatter kernel, whatever the pages
                 index = torch.tensor(page_ids[page:page + count], device=pool.device)
                 pool[layer, index, half] = rows
-            else:
-                _copy_runs(pool[layer, :, half], page_ids[page:page + count], rows)
         else:
             n = min(page_bytes - intra, left)
             target = pool[layer, page_ids[page], half]

@@ -120,6 +120,14 @@ def write_corpus(out_dir: str | Path, config: CorpusConfig = CorpusConfig()) -> 
     return manifest
 
 
+def read_manifest(data: str | Path) -> dict | None:
+    """The manifest of the corpus ``data`` belongs to (the corpus directory, or a file in it),
+    if it has one."""
+    data = Path(data)
+    path = (data if data.is_dir() else data.parent) / MANIFEST_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m common.training.corpus",
                                 description=__doc__.split("\n")[0])

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from common.training.corpus import read_manifest
 from common.training.provenance import environment, write_json
 
 
@@ -93,7 +94,7 @@ def regenerate(config: RegenerateConfig) -> dict:
               "seconds": round(seconds, 2), "tokens_per_s": round(generated / seconds, 1)}
     write_json(provenance_path(out), {
         "what": "draft training data: the target's continuations of corpus prompts",
-        "config": dataclasses.asdict(config), "corpus": corpus_manifest(config.data),
+        "config": dataclasses.asdict(config), "corpus": read_manifest(config.data),
         "result": result, "environment": environment(config.device)})
     return result
 
@@ -102,14 +103,6 @@ def provenance_path(data: str | Path) -> Path:
     """Where :func:`regenerate` records how the data at ``data`` was made."""
     data = Path(data)
     return data.with_name(data.name + ".provenance.json")
-
-
-def corpus_manifest(data: str | Path) -> dict | None:
-    """The ``manifest.json`` of the corpus ``data`` belongs to (a corpus directory or a file
-    in one), if it has one."""
-    data = Path(data)
-    manifest = (data if data.is_dir() else data.parent) / "manifest.json"
-    return json.loads(manifest.read_text()) if manifest.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from common.training.draft_config import DraftTrainConfig
 from common.training.draft_setup import (draft_config_dict, init_draft_weights,
                                          resolve_mask_token_id, save_draft)
 from common.training.provenance import PROVENANCE_FILE, environment, write_json
+from common.training.regenerate import provenance_path
 from common.training.schedule import BudgetBar, Clock, CosineSchedule
 from common.training.token_data import WindowSampler, read_documents, token_stream
 
@@ -214,8 +215,6 @@ def train_draft(config: DraftTrainConfig) -> dict:
 
 def _data_provenance(data: str) -> dict | None:
     """The record ``regenerate`` wrote beside the data, when the data was made by it."""
-    from common.training.regenerate import provenance_path
-
     path = provenance_path(data)
     return json.loads(path.read_text()) if path.is_file() else None
 

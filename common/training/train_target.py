@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common.training.corpus import read_manifest
 from common.training.curves import plot_curves, smooth
 from common.training.provenance import PROVENANCE_FILE, environment, write_json
 from common.training.schedule import BudgetBar, Budget, Clock, CosineSchedule
@@ -257,14 +258,13 @@ def _save(config: TargetTrainConfig, model, *, tokenizer_dir: Path, losses, eval
                 + (f", weights of step {kept['step']}" if kept else ""),
                 series={"train (20-step mean)": (list(range(1, len(losses) + 1)), smoothed),
                         "held-out": ([s for s, _ in evals], [v for _, v in evals])})
-    manifest_file = Path(config.corpus) / "manifest.json"
     every = max(1, len(losses) // 200)
     provenance = {
         "what": "flashsplit built-in target model",
         "architecture": {"model_type": "qwen3_5_text", **config.arch,
                          "vocab_size": model.config.vocab_size},
         "parameters": num_params,
-        "corpus": json.loads(manifest_file.read_text()) if manifest_file.is_file() else None,
+        "corpus": read_manifest(config.corpus),
         "tokenizer": json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
         if (tokenizer_dir / "tokenizer_config.json").is_file() else None,
         "training": {

@@ -14,10 +14,10 @@ import torch
 
 import crc32c as crc32c_package
 from common.handoff import checksum
-from tests.common.handoff.gil_probe import counter_moves
 from common.handoff.checksum import (CRC32, CRC32C, Crc32Polynomial, crc32_combine, crc32c,
                                      crc32c_combine,
                                      fast_crc32c_available)
+from tests.common.handoff.gil_probe import counter_moves
 
 CHECK = b"123456789"
 
