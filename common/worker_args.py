@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
 import sys
 
 import torch
 
 from common.cache.sizing import DEFAULT_NUM_PAGES, DEFAULT_NUM_SLOTS, PoolRequest, SizingError
+from common.cpu_threads import worker_cpu_threads
 from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.factory import EngineSettings
 from common.engine.llm_engine import CacheConfig, EngineConfig
@@ -18,9 +20,11 @@ from common.host_malloc import tune_host_malloc
 from common.lifecycle import die_with_parent_if_asked
 from common.logging_setup import configure_logging
 from common.metrics.tls import metrics_ssl_context
-from common.parallel.launch import rank_devices
+from common.parallel.placement import rank_devices
 from common.parallel.worker_group import check_tp_args, shares_pools_at, takes_rank_streams
 from common.engine.scheduler import SchedulerConfig, default_max_prefill_tokens
+
+log = logging.getLogger(__name__)
 
 # a worker process's GIL switch interval (Python's default is 5 ms)
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -78,8 +82,20 @@ def worker_engine(args: argparse.Namespace, *, prefill: bool, follower_bands=Non
         settings = settings_for_group(engine_settings_from_args(args, prefill=prefill), group)
         if torch.device(settings.engine.device).type == "cpu":  # before the model loads
             settings = dataclasses.replace(settings, engine=dataclasses.replace(
-                settings.engine, cpu_threads=serial_main_thread()))
+                settings.engine, cpu_threads=engine_cpu_threads(args, group.world_size)))
         yield group, build_engine(settings, tp=engine_tp(group, tp))
+
+
+def engine_cpu_threads(args: argparse.Namespace, world_size: int) -> int:
+    """The engine thread's torch threads on the CPU: rank 0's share of ``--cpu-threads`` (the
+    group set it on entering), or all of them in a group of one. The calling (main) thread
+    keeps one (``serial_main_thread``)."""
+    threads = serial_main_thread()
+    if world_size > 1:
+        return threads
+    chosen = worker_cpu_threads(args.cpu_threads)
+    log.info("engine thread: %d CPU threads (--cpu-threads %d)", chosen, args.cpu_threads)
+    return chosen
 
 
 def pool_request_from_args(args: argparse.Namespace, config: EngineConfig, *,
@@ -116,6 +132,7 @@ def run_worker(args: argparse.Namespace, serve) -> int:
         if args.metrics_port is not None:  # its TLS files are checked before the model loads
             metrics_ssl_context(args.tls_cert, args.tls_key, args.tls_ca)
         takes_rank_streams(args, args.handoff_transport)
+        worker_cpu_threads(args.cpu_threads)  # a negative count
         check_tp_args(args)  # ShardingError names what the size must divide
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -65,6 +65,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "else tcp where the listener is reachable, else stream) (default: "
                         "%(default)s)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--cpu-threads", type=int, default=0, metavar="N",
+                   help="on the CPU: the threads this worker computes with, its --tp ranks "
+                        "sharing them (default 0: every CPU it may use, a container's CPU "
+                        "limit included). Workers on one host should share its cores: "
+                        "`flashsplit up` gives the CPU workers it starts an even share "
+                        "(docs/operations.md)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the config's)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--mem-fraction", type=float, default=None, metavar="F",

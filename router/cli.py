@@ -37,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 # Worker flags that `flashsplit up` passes through unchanged (--device is spread over workers).
 _WORKER_FLAGS = ("--dtype", "--page-size", "--num-pages", "--num-slots", "--max-prefill-tokens",
                  "--max-running-requests", "--draft", "--block-size", "--kernels",
-                 "--cuda-graph-max-bs", "--handoff-transport", "--tp-handoff")
+                 "--cuda-graph-max-bs", "--handoff-transport", "--tp-handoff", "--cpu-threads")
 
 
 def build_parser() -> argparse.ArgumentParser:

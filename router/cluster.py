@@ -27,11 +27,13 @@ from typing import TextIO
 
 from common.auth import new_secret
 from common.channels import ChannelSecurity, make_channel
+from common.cpu_threads import available_cpus
 from common.grpc_util import bind_problem
 from common.lifecycle import PARENT_PID_ENV
 from common.logging_setup import echo_line
 from common.mps import MpsDaemon, MpsUnavailable
 from common.security import TOKEN_ENV, TOKEN_FILE_ENV
+from router.cpu_shares import cpu_thread_shares
 from router.device_plan import worker_devices
 from router.memory_shares import memory_shares
 
@@ -72,7 +74,9 @@ class ClusterConfig:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
-    # --mem-fraction of each device, split evenly between the workers on it (memory_shares)
+    # --mem-fraction of each device, split evenly between the workers on it (memory_shares);
+    # CPU workers not given --cpu-threads always get an even share of the host's CPUs
+    # (router/cpu_shares.py)
     mem_fraction: float | None = None
     router_args: tuple[str, ...] = ()
     # the router's OpenAI-compatible HTTP API: None = not served, 0 = any free port
@@ -288,9 +292,12 @@ class Cluster:
                 planned.append((kind, args))
             shares = [None] * len(planned) if c.mem_fraction is None \
                 else memory_shares([args for _, args in planned], c.mem_fraction)
-            for (kind, args), share in zip(planned, shares):
+            threads = cpu_thread_shares([args for _, args in planned], available_cpus())
+            for (kind, args), share, cpu_threads in zip(planned, shares, threads):
                 if share is not None:
                     args += ["--mem-fraction", f"{share:g}"]
+                if cpu_threads is not None:
+                    args += ["--cpu-threads", str(cpu_threads)]
                 self.workers.append(self._spawn(kind, f"{kind}-{counts[kind]}", args))
                 counts[kind] += 1
             self._wait_ready(self.workers)

@@ -15,6 +15,8 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
+from common.parallel.placement import rank_devices
+
 DEFAULT_DEVICE = "cpu"  # a worker's --device when none is given
 
 
@@ -46,8 +48,6 @@ def device_of(args: Sequence[str]) -> str:
 def devices_of(args: Sequence[str]) -> list[str]:
     """The devices of a worker's ranks, one per rank of its last ``--tp`` (1 without), from
     its last ``--device``."""
-    from common.parallel.launch import rank_devices
-
     tp = int(_last(args, "--tp", "1"))
     device = _last(args, "--device", DEFAULT_DEVICE).strip().lower()
     if device.startswith("cpu"):

@@ -16,6 +16,7 @@ from common.parallel.band_messages import BandHandlerFactory
 from common.parallel.followers import Follower, FollowerLink
 from common.parallel.group import (DEFAULT_TIMEOUT_S, TensorParallelGroup, connect,
                                    leader_store)
+from common.parallel.placement import cpu_threads_per_rank, rank_devices
 
 log = logging.getLogger(__name__)
 
@@ -24,32 +25,8 @@ STARTED_KEY = "started/"  # a follower sets started/<rank> once it has imported 
 POLL_S = 0.05
 
 
-def rank_devices(device: str, world_size: int) -> list[str]:
-    """One device per rank: ``cpu`` for all of them, or ``cuda:k+r`` from ``cuda`` /
-    ``cuda:k`` (consecutive GPUs), or a comma-separated list of one device per rank."""
-    devices = [d.strip() for d in device.split(",") if d.strip()]
-    if len(devices) > 1:
-        if len(devices) != world_size:
-            raise ValueError(f"{len(devices)} devices given for {world_size} ranks")
-        return devices
-    (one,) = devices or ["cpu"]
-    if one == "cpu":
-        return ["cpu"] * world_size
-    if one.startswith("cuda"):
-        first = int(one.split(":", 1)[1]) if ":" in one else 0
-        return [f"cuda:{first + r}" for r in range(world_size)]
-    raise ValueError(f"device {one!r} is neither cpu nor cuda[:N]")
-
-
-def cpu_threads_per_rank(world_size: int) -> int:
-    """Threads each rank of a CPU group uses: the host's cores shared evenly."""
-    import os
-
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
 def _follow(rank: int, world_size: int, port: int, device: str, timeout_s: float,
-            bands: BandHandlerFactory | None = None) -> None:
+            bands: BandHandlerFactory | None = None, cpu_threads: int = 0) -> None:
     """A follower process's body."""
     import torch
 
@@ -58,7 +35,7 @@ def _follow(rank: int, world_size: int, port: int, device: str, timeout_s: float
     else:
         # the ranks share the host's cores: more threads than that would only wait for each
         # other inside every small op and every collective
-        torch.set_num_threads(cpu_threads_per_rank(world_size))
+        torch.set_num_threads(cpu_threads_per_rank(world_size, cpu_threads))
     tp = connect(rank, world_size, port=port, device=device, timeout_s=timeout_s,
                  on_store=lambda store: store.set(f"{STARTED_KEY}{rank}", "1"))
     Follower(tp, device, bands).run()
@@ -81,13 +58,15 @@ class LocalGroup:
 
     def __init__(self, world_size: int, device: str = "cpu", *,
                  timeout_s: float = DEFAULT_TIMEOUT_S,
-                 follower_bands: BandHandlerFactory | None = None) -> None:
+                 follower_bands: BandHandlerFactory | None = None,
+                 cpu_threads: int = 0) -> None:
         if world_size < 1:
             raise ValueError(f"a group needs at least one rank, got {world_size}")
         self.world_size = world_size
         self.devices = rank_devices(device, world_size)
         self.timeout_s = timeout_s
         self.follower_bands = follower_bands
+        self.cpu_threads = cpu_threads
         self.processes: list[multiprocessing.Process] = []
         self.tp: TensorParallelGroup | None = None
         self.broken = False  # set by mark_broken
@@ -109,7 +88,7 @@ class LocalGroup:
             process = context.Process(
                 target=_follow, name=f"flashsplit-tp-rank{rank}", daemon=True,
                 args=(rank, self.world_size, store.port, self.devices[rank], self.timeout_s,
-                      self.follower_bands))
+                      self.follower_bands, self.cpu_threads))
             process.start()
             self.processes.append(process)
         try:
@@ -128,7 +107,7 @@ class LocalGroup:
         if self.device == "cpu":
             threads = torch.get_num_threads()
             # the ranks share the host's cores (see _follow)
-            torch.set_num_threads(cpu_threads_per_rank(self.world_size))
+            torch.set_num_threads(cpu_threads_per_rank(self.world_size, self.cpu_threads))
             self._restore = lambda: torch.set_num_threads(threads)
         else:
             current = torch.cuda.current_device()

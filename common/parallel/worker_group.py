@@ -43,7 +43,8 @@ def worker_group(args: argparse.Namespace,
     """``with worker_group(args) as tp:`` this process as rank 0 of ``args.tp`` ranks, the
     followers started (a group of one at ``--tp 1``: nothing starts). ``follower_bands``: the
     worker's handler of per-rank stream messages, made on each follower."""
-    return LocalGroup(args.tp, args.device, follower_bands=follower_bands)
+    return LocalGroup(args.tp, args.device, follower_bands=follower_bands,
+                      cpu_threads=args.cpu_threads)
 
 
 def settings_for_group(settings: EngineSettings, group: LocalGroup) -> EngineSettings:

@@ -68,6 +68,20 @@ def test_mem_fraction_is_split_between_the_workers_of_each_device():
     assert given == [0.45, 0.45]  # both on the one GPU
 
 
+def test_cpu_workers_share_the_hosts_cpus_unless_given_a_count():
+    """(router/cpu_shares.py has the rule; this is the plumbing to the processes.)"""
+    from common.cpu_threads import available_cpus
+
+    share = max(1, available_cpus() // 2)
+    with Cluster(ClusterConfig(num_prefill=1, num_decode=1, start_timeout_s=60,
+                               **FAKES)) as c:
+        given = [w.args[w.args.index("--cpu-threads") + 1] for w in c.workers]
+    assert given == [str(share), str(share)]
+    with Cluster(ClusterConfig(num_prefill=1, num_decode=1, worker_args=("--device", "cuda"),
+                               start_timeout_s=60, **FAKES)) as c:
+        assert not any("--cpu-threads" in w.args for w in c.workers)
+
+
 def test_worker_dying_at_start_stops_everything_and_reports_its_stderr():
     config = ClusterConfig(num_prefill=1, num_decode=2, worker_args=("--fail-at-start",),
                            start_timeout_s=60, stop_grace_s=2, **FAKES)

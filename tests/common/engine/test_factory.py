@@ -152,3 +152,20 @@ def test_a_cpu_worker_gives_its_torch_threads_to_the_engine_thread():
 def test_a_device_per_rank_takes_the_gpu_chunk():
     ranks = worker_args("--device", "cuda:0,cuda:1", "--tp", "2")
     assert engine_config_from_args(ranks, prefill=True).scheduler.max_prefill_tokens == 8192
+
+
+def test_a_cpu_worker_engine_computes_with_its_cpu_threads():
+    import torch
+
+    from common.cpu_threads import available_cpus
+    from common.worker_args import engine_cpu_threads
+
+    main_threads = torch.get_num_threads()
+    try:
+        assert engine_cpu_threads(worker_args("--cpu-threads", "3"), 1) == 3
+        assert torch.get_num_threads() == 1  # the main thread keeps one
+        assert engine_cpu_threads(worker_args(), 1) == available_cpus()
+        torch.set_num_threads(2)  # as a group of two sets rank 0's share
+        assert engine_cpu_threads(worker_args("--tp", "2", "--cpu-threads", "4"), 2) == 2
+    finally:
+        torch.set_num_threads(main_threads)

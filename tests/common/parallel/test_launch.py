@@ -1,4 +1,4 @@
-"""common/parallel/launch.py: devices per rank, a follower that dies before joining."""
+"""common/parallel/launch.py: rank 0's share of the cores, a follower that dies before joining."""
 
 from __future__ import annotations
 
@@ -6,18 +6,8 @@ import time
 
 import pytest
 
-from common.parallel.launch import LocalGroup, cpu_threads_per_rank, rank_devices
-
-
-def test_devices_per_rank():
-    assert rank_devices("cpu", 3) == ["cpu"] * 3
-    assert rank_devices("cuda", 2) == ["cuda:0", "cuda:1"]
-    assert rank_devices("cuda:2", 2) == ["cuda:2", "cuda:3"]
-    assert rank_devices("cuda:1,cuda:0", 2) == ["cuda:1", "cuda:0"]
-    with pytest.raises(ValueError, match="3 devices given for 2 ranks"):
-        rank_devices("cuda:0,cuda:1,cuda:2", 2)
-    with pytest.raises(ValueError, match="neither cpu nor cuda"):
-        rank_devices("mps", 2)
+from common.parallel.launch import LocalGroup
+from common.parallel.placement import cpu_threads_per_rank
 
 
 def test_rank_zero_shares_the_cores_while_in_the_group():
@@ -28,6 +18,13 @@ def test_rank_zero_shares_the_cores_while_in_the_group():
         assert tp.world_size == 2 and tp.is_leader
         assert torch.get_num_threads() == cpu_threads_per_rank(2)
     assert torch.get_num_threads() == threads
+
+
+def test_a_thread_count_given_to_the_group_is_shared_by_its_ranks():
+    import torch
+
+    with LocalGroup(2, timeout_s=60, cpu_threads=2):
+        assert torch.get_num_threads() == 1
 
 
 def test_world_size_one_starts_nothing():
