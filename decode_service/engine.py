@@ -33,7 +33,8 @@ from decode_service.reservation import PoolReservation
 
 log = logging.getLogger(__name__)
 
-EventSink = Callable[[TokenEvent], None]
+# takes the events of one step (or one admission) together
+EventSink = Callable[[list[TokenEvent]], None]
 
 
 class DecodeEngine(EngineLoop):
@@ -193,7 +194,7 @@ class DecodeEngine(EngineLoop):
             raise
         self.metrics.admitted_request()
         self.metrics.tokens_emitted(1)
-        self._emit(event)
+        self._emit([event])
 
     def _scatter(self, res: PoolReservation) -> None:
         """Every rank's part of the staged state into its pools. A group that fails
@@ -214,12 +215,13 @@ class DecodeEngine(EngineLoop):
             self.metrics.request_ended("abort")
         return found
 
-    def _emit(self, event: TokenEvent) -> None:
-        if event.accept_length is not None:  # the first token of a DFLASH step
-            self.metrics.spec_step(event.accept_length)
-        if event.finish_reason is not None:
-            self.metrics.request_ended(event.finish_reason)
-        self.sink(event)
+    def _emit(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            if event.accept_length is not None:  # the first token of a DFLASH step
+                self.metrics.spec_step(event.accept_length)
+            if event.finish_reason is not None:
+                self.metrics.request_ended(event.finish_reason)
+        self.sink(events)
 
     def has_work(self) -> bool:
         return self.engine.has_work()
@@ -229,15 +231,15 @@ class DecodeEngine(EngineLoop):
         self.metrics.tokens_emitted(len(events))
         if events:
             self.metrics.engine_step(len({event.request_id for event in events}))
-        for event in events:
-            self._emit(event)
+            self._emit(events)
 
     def on_step_failed(self, exc: StepFailed) -> None:
         for request_id in exc.request_ids:
             self.metrics.request_ended("error")
-            self.sink(TokenEvent(request_id, -1, "error"))
+        self.sink([TokenEvent(request_id, -1, "error") for request_id in exc.request_ids])
 
     def on_fatal(self, exc: BaseException) -> None:
-        for request_id in list(self.engine.requests):
+        ended = list(self.engine.requests)
+        for _ in ended:
             self.metrics.request_ended("error")
-            self.sink(TokenEvent(request_id, -1, "error"))
+        self.sink([TokenEvent(request_id, -1, "error") for request_id in ended])

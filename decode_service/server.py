@@ -262,7 +262,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.streams.mark_aborted(request.handoff_id)
         found = await asyncio.wrap_future(self.engine.abort(request.handoff_id))
         if found:
-            self.streams.post(TokenEvent(str(request.handoff_id), -1, "abort"))
+            self.streams.post([TokenEvent(str(request.handoff_id), -1, "abort")])
         log.info("abort handoff %d (%s): found=%s", request.handoff_id, request.reason, found)
         return types_pb2.AbortResponse(found=found)
 

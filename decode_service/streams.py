@@ -31,19 +31,26 @@ class TokenStreams:
         self._channels: dict[int, _Channel] = {}
         self._aborted: dict[int, float] = {}
 
-    # engine thread
-    def post(self, event: TokenEvent) -> None:
-        self._loop.call_soon_threadsafe(self._deliver, event)
+    # engine thread (or the loop)
+    def post(self, events: list[TokenEvent]) -> None:
+        """Hand the loop one step's events at once: the loop wakes once per step, not once per
+        token, and each stream then finds all of its request's tokens of the step queued (one
+        message, where a DFLASH step commits several)."""
+        self._loop.call_soon_threadsafe(self._deliver, events)
 
     # event loop
-    def _deliver(self, event: TokenEvent) -> None:
-        channel = self._channel(int(event.request_id))
-        channel.queue.put_nowait(event)
-        if event.finish_reason is not None:
-            channel.finished_at = time.monotonic()
-
-    def _channel(self, handoff_id: int) -> _Channel:
+    def _deliver(self, events: list[TokenEvent]) -> None:
         self._expire()
+        now = time.monotonic()
+        for event in events:
+            channel = self._channel(int(event.request_id), expire=False)
+            channel.queue.put_nowait(event)
+            if event.finish_reason is not None:
+                channel.finished_at = now
+
+    def _channel(self, handoff_id: int, expire: bool = True) -> _Channel:
+        if expire:
+            self._expire()
         channel = self._channels.get(handoff_id)
         if channel is None:
             channel = self._channels[handoff_id] = _Channel()
