@@ -92,8 +92,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int, default=64,
                    help="requests in one batch at most")
     p.add_argument("--draft", default=None,
-                   help="DFLASH draft: 'tiny' (pairs with the built-in model) or a z-lab format "
-                        "checkpoint directory; on by default for every request when given")
+                   help="DFLASH draft: a built-in model's trained draft by the model's name "
+                        "('pycoder'), 'tiny' (random, pairs with --model tiny) or a z-lab "
+                        "format checkpoint directory; on by default for every request when given")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per DFLASH step (default: the draft's own block_size)")
     add_kernel_args(p)

@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=600.0,
                      help="seconds the whole call may take (with --router)")
     gen.add_argument("--draft", default=None,
-                     help="DFLASH draft for in-process generation: 'tiny' or a checkpoint dir "
+                     help="DFLASH draft for in-process generation: 'pycoder' (the built-in "
+                          "model's), 'tiny' or a checkpoint dir "
                           "(through a router the draft is the decode workers': up --draft)")
     gen.add_argument("--block-size", type=int, default=None,
                      help="tokens per DFLASH step, in process (default: the draft's)")
