@@ -38,6 +38,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 _WORKER_FLAGS = ("--dtype", "--page-size", "--num-pages", "--num-slots", "--max-prefill-tokens",
                  "--max-running-requests", "--draft", "--block-size", "--kernels",
                  "--cuda-graph-max-bs", "--handoff-transport", "--tp-handoff", "--cpu-threads")
+# where `up` itself does something when the flag is not given
+_UP_HELP = {"--cpu-threads": "on the CPU: every worker's threads (0: every CPU it may use); "
+                             "default: the CPU workers share the host's CPUs evenly, a --tp N "
+                             "worker taking N shares (docs/operations.md, CPU threads)"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in _WORKER_FLAGS:
         # the worker's own choices: a wrong value fails here, before any process starts
         up.add_argument(flag, default=None, choices=worker_choices.get(flag),
-                        help=f"every worker's: {worker_help[flag]}")
+                        help=_UP_HELP.get(flag, f"every worker's: {worker_help[flag]}"))
     up.add_argument("--mem-fraction", type=float, default=None, metavar="F",
                     help="size every worker's pools by memory: the workers that share a device "
                          "split F of its total memory evenly (one prefill and one decode "

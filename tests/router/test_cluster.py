@@ -80,6 +80,9 @@ def test_cpu_workers_share_the_hosts_cpus_unless_given_a_count():
     with Cluster(ClusterConfig(num_prefill=1, num_decode=1, worker_args=("--device", "cuda"),
                                start_timeout_s=60, **FAKES)) as c:
         assert not any("--cpu-threads" in w.args for w in c.workers)
+    with Cluster(ClusterConfig(num_prefill=1, num_decode=1, worker_args=("--cpu-threads", "3"),
+                               start_timeout_s=60, **FAKES)) as c:
+        assert all(w.args.count("--cpu-threads") == 1 for w in c.workers)
 
 
 def test_worker_dying_at_start_stops_everything_and_reports_its_stderr():
@@ -145,6 +148,8 @@ def test_up_flags_become_the_cluster_config():
     graphs = cluster_config_from_args(build_parser().parse_args(
         ["up", "--decode-tp", "2", "--tp-cuda-graphs"]))
     assert "--tp-cuda-graphs" in graphs.worker_args
+    threads = cluster_config_from_args(build_parser().parse_args(["up", "--cpu-threads", "3"]))
+    assert threads.worker_args == ("--cpu-threads", "3")  # then no share is added
 
 
 def test_mps_cluster_starts_its_workers_as_clients_of_its_own_daemon(tmp_path, monkeypatch):
