@@ -11,29 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.memory_shares import devices_of
-
-
-def _given_threads(args: Sequence[str]) -> int | None:
-    """The worker's last ``--cpu-threads`` (None when not given)."""
-    value = None
-    for name, given in zip(args, args[1:]):
-        if name == "--cpu-threads":
-            value = int(given)
-    return value
+from router.memory_shares import devices_of, last_flag
 
 
 def cpu_thread_shares(worker_args: Sequence[Sequence[str]], cpus: int) -> list[int | None]:
     """Each worker's ``--cpu-threads`` to add (None: nothing to add): the ``cpus`` left after
     the workers given a count, split evenly between the ranks of the CPU workers that were
     not; at least one thread per rank."""
-    on_cpu = [set(devices_of(args)) == {"cpu"} for args in worker_args]
-    given = [_given_threads(args) for args in worker_args]
-    taken = sum(g for g, cpu in zip(given, on_cpu) if cpu and g)
-    ranks = [len(devices_of(args)) for args in worker_args]
-    sharing = sum(r for r, g, cpu in zip(ranks, given, on_cpu) if cpu and g is None)
+    # per worker: its ranks on the CPU (0 when on a GPU), and the count it was given
+    ranks = [len(d) if set(d) == {"cpu"} else 0 for d in map(devices_of, worker_args)]
+    given = [last_flag(args, "--cpu-threads", None) for args in worker_args]
+    taken = sum(int(g) for g, r in zip(given, ranks) if r and g is not None)
+    sharing = sum(r for r, g in zip(ranks, given) if g is None)
     if not sharing:
         return [None] * len(worker_args)
     per_rank = max(1, (cpus - taken) // sharing)
-    return [per_rank * r if cpu and g is None else None
-            for r, g, cpu in zip(ranks, given, on_cpu)]
+    return [per_rank * r if r and g is None else None for r, g in zip(ranks, given)]

@@ -31,7 +31,8 @@ def device_key(device: str) -> str:
     return device
 
 
-def _last(args: Sequence[str], flag: str, default: str) -> str:
+def last_flag(args: Sequence[str], flag: str, default: str | None) -> str | None:
+    """The value of the last ``flag`` in a command line, or ``default`` when it has none."""
     value = default
     for name, given in zip(args, args[1:]):
         if name == flag:
@@ -48,8 +49,8 @@ def device_of(args: Sequence[str]) -> str:
 def devices_of(args: Sequence[str]) -> list[str]:
     """The devices of a worker's ranks, one per rank of its last ``--tp`` (1 without), from
     its last ``--device``."""
-    tp = int(_last(args, "--tp", "1"))
-    device = _last(args, "--device", DEFAULT_DEVICE).strip().lower()
+    tp = int(last_flag(args, "--tp", "1"))
+    device = last_flag(args, "--device", DEFAULT_DEVICE).strip().lower()
     if device.startswith("cpu"):
         device = "cpu"
     return [device_key(d) for d in rank_devices(device, tp)]

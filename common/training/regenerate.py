@@ -105,6 +105,12 @@ def provenance_path(data: str | Path) -> Path:
     return data.with_name(data.name + ".provenance.json")
 
 
+def read_provenance(data: str | Path) -> dict | None:
+    """The record :func:`regenerate` wrote beside ``data``, when it made the data."""
+    path = provenance_path(data)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m common.training.regenerate",
                                 description=__doc__.split("\n")[0])

@@ -30,7 +30,7 @@ from common.training.draft_config import DraftTrainConfig
 from common.training.draft_setup import (draft_config_dict, init_draft_weights,
                                          resolve_mask_token_id, save_draft)
 from common.training.provenance import PROVENANCE_FILE, environment, write_json
-from common.training.regenerate import provenance_path
+from common.training.regenerate import read_provenance
 from common.training.schedule import BudgetBar, Clock, CosineSchedule
 from common.training.token_data import WindowSampler, read_documents, token_stream
 
@@ -213,12 +213,6 @@ def train_draft(config: DraftTrainConfig) -> dict:
     return _write_report(run, seconds)
 
 
-def _data_provenance(data: str) -> dict | None:
-    """The record ``regenerate`` wrote beside the data, when the data was made by it."""
-    path = provenance_path(data)
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def _write_report(run: _Run, seconds: float) -> dict:
     config, out = run.config, Path(run.config.out)
     steps = [h[0] for h in run.history]
@@ -238,7 +232,7 @@ def _write_report(run: _Run, seconds: float) -> dict:
         "target_config": run.target.config.raw,
         "data": config.data,
         "data_tokens": run.stream_tokens,
-        "data_made_by": _data_provenance(config.data),
+        "data_made_by": read_provenance(config.data),
         "training": {
             **json.loads(json.dumps(dataclasses.asdict(config))),
             "objective": "block diffusion: random anchors, blocks [anchor, MASK x (B-1)], "
