@@ -132,4 +132,4 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--kernels", default=AUTO, choices=(AUTO, *BACKEND_SETS),
                    help="kernel set (docs/kernels.md); auto: 'gpu' on a CUDA device, else "
-                        "'reference'")
+                        "'cpu' ('reference' is the plain-torch definition)")

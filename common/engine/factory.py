@@ -36,7 +36,8 @@ class EngineSettings:
         block_size: tokens per DFLASH step (None: the draft's own).
         dtype: the weights' dtype (None: the config's).
         kernels: a kernel set (``docs/kernels.md``), or ``'auto'`` (``'gpu'`` on a CUDA
-            device, else ``'reference'``); None leaves the model its default kernels.
+            device, else ``'cpu'``); None leaves the model its default kernels (the
+            reference).
         engine: the engine's cache, scheduler, graph and device settings; its pool sizes are
             used as given unless ``pools`` sizes them.
         pools: what the pool flags ask for (``--mem-fraction``, ``--num-pages``,

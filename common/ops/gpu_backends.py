@@ -5,6 +5,13 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
 (this module, below the model, only names the choices).
 
 - ``reference``: plain torch everywhere (CPU or GPU; the definition of the numbers).
+- ``cpu``: plain torch arranged for a CPU (``torch-cpu`` backends, ``CPU_OPS`` of the
+  registry), where the reference loops over requests and tokens and allocates state-sized
+  temporaries: the GDN decode step on the pool rows in place, the conv1d update with one
+  gather and one scatter, the DFLASH verify and commit as the chunked rule batched over
+  requests, paged and draft attention over the whole batch in one masked matmul (2.4x the
+  reference's speed for a pycoder decode step at batch 16 on one thread, 3.5x with its draft:
+  docs/kernels.md). The reference's numbers to fp32 rounding; the other ops are the reference.
 - ``gpu``: the fastest backends measured on H200 (docs/kernel_benchmarks.md): FlashInfer
   chunked GDN prefill (128-dim heads; other head dims and fp32 go to fla), our Triton token
   recurrence (faster than fla's at decode sizes), our Triton conv1d, our Triton steps on the
@@ -33,7 +40,8 @@ with no GPU backend (l2norm, rope_inv_freq, MLP) are plain torch, which runs on 
 
 from __future__ import annotations
 
-from common.ops.registry import GPU_OPS, PDL_BACKEND, REFERENCE_BACKEND, REFERENCE_OPS
+from common.ops.registry import (CPU_BACKEND, CPU_OPS, GPU_OPS, PDL_BACKEND, REFERENCE_BACKEND,
+                                 REFERENCE_OPS)
 
 __all__ = ["AUTO", "BACKEND_SETS", "backends_for", "chosen_backends", "describe", "set_for_device"]
 
@@ -70,17 +78,19 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
     "gpu": {**_GPU, **_PDL},
     "gpu-fla": {**_GPU, **_PDL, "chunk_gated_delta_rule": "fla"},
     "gpu-no-pdl": _GPU,
+    "cpu": {op: CPU_BACKEND for op in CPU_OPS},
 }
 
 
-# the set a worker takes when none is named: the fastest where there is a GPU, else the definition
+# the set a worker takes when none is named: the fastest for its device
 AUTO = "auto"
 
 
 def _check_sets() -> None:
     for name, backends in BACKEND_SETS.items():
         for op, backend in backends.items():
-            if op not in REFERENCE_OPS or backend not in GPU_OPS.get(op, {}):
+            known = {*GPU_OPS.get(op, {}), *([CPU_BACKEND] if op in CPU_OPS else [])}
+            if op not in REFERENCE_OPS or backend not in known:
                 raise AssertionError(f"kernel set {name!r}: {op!r} has no backend {backend!r}")
 
 
@@ -110,7 +120,7 @@ def describe(name: str, ops: list[str] | None = None) -> str:
 
 def set_for_device(name: str, device: str) -> str:
     """The set ``name`` stands for on ``device``: :data:`AUTO` is ``gpu`` on a CUDA device and
-    ``reference`` elsewhere; any other name is itself."""
+    ``cpu`` elsewhere; any other name is itself."""
     if name == AUTO:
-        return "gpu" if str(device).startswith("cuda") else "reference"
+        return "gpu" if str(device).startswith("cuda") else "cpu"
     return name

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from common.ops.moe.capturable import MAX_TOKENS as MOE_MAX_TOKENS
-from common.ops.registry import REFERENCE_BACKEND
+from common.ops.registry import CPU_BACKEND, REFERENCE_BACKEND
 
 __all__ = ["DEFAULT", "GRAPH_CAPABILITIES", "GraphCapability", "GraphSupport", "PLANNED_OPS",
            "capability", "graph_attention_backends", "graph_support"]
@@ -87,7 +87,15 @@ GRAPH_CAPABILITIES: dict[str, dict[str, GraphCapability]] = {
         "flashinfer": GraphCapability(
             graph_attention="common.ops.attention.flashinfer_graph:graph_attention",
             graph_dtypes=("float16", "bfloat16"), graph_head_dims=(64, 128, 256)),
+        # lengths and pages read on the host, as the reference does
+        CPU_BACKEND: GraphCapability(capturable=False),
     },
+    # the CPU steps on the state pool loop over slots, and the CPU verify, commit and draft
+    # attention pad to lengths, read on the host
+    "gdn_decode_in_place": {CPU_BACKEND: GraphCapability(capturable=False)},
+    "gdn_verify": {CPU_BACKEND: GraphCapability(capturable=False)},
+    "gdn_commit_in_place": {CPU_BACKEND: GraphCapability(capturable=False)},
+    "draft_block_attention": {CPU_BACKEND: GraphCapability(capturable=False)},
     "sparse_moe": {
         # groups tokens by expert on the host
         REFERENCE_BACKEND: GraphCapability(capturable=False),

@@ -1,7 +1,9 @@
 """Which implementation of each op to use: op name -> backend name -> lazy factory.
 
 Factories are called on first ``get`` so that a backend's heavy imports (triton, flashinfer) only
-happen when it is actually chosen.
+happen when it is actually chosen. Three tables feed the default registry: the plain-torch
+definitions (``REFERENCE_OPS``), the GPU backends (``GPU_OPS``) and the plain-torch CPU
+backends (``CPU_OPS``: the same numbers as the reference, faster on a CPU).
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["OpRegistry", "default_registry", "REFERENCE_BACKEND", "PDL_BACKEND", "REFERENCE_OPS",
-           "GPU_OPS"]
+__all__ = ["OpRegistry", "default_registry", "REFERENCE_BACKEND", "PDL_BACKEND", "CPU_BACKEND",
+           "REFERENCE_OPS", "GPU_OPS", "CPU_OPS"]
 
 REFERENCE_BACKEND = "reference"
 # a Triton op launched as programmatic dependent launches (SM90+): each kernel starts while the
 # one before it finishes (common/ops/pdl.py); the op's Triton function with ``pdl=True``
 PDL_BACKEND = "triton-pdl"
+# plain torch shaped for a CPU: in-place state updates and batched gathers instead of the
+# reference's per-request loops and out-of-place temporaries (runs on any device)
+CPU_BACKEND = "torch-cpu"
 
 # op name -> module holding its plain-torch definition (attribute of the same name).
 REFERENCE_OPS: dict[str, str] = {
@@ -86,6 +91,17 @@ GPU_OPS: dict[str, dict[str, str]] = {
                "triton-pdl": "common.ops.linear.triton"},
 }
 
+# op name -> module holding its CPU_BACKEND (attribute named like the op); plain torch, so
+# resolving one imports nothing heavy
+CPU_OPS: dict[str, str] = {
+    "gdn_decode_in_place": "common.ops.gdn.decode_cpu",
+    "conv1d_update_in_place": "common.ops.conv1d.update_cpu",
+    "gdn_verify": "common.ops.gdn.verify_cpu",
+    "gdn_commit_in_place": "common.ops.gdn.commit_cpu",
+    "paged_attention": "common.ops.attention.paged_cpu",
+    "draft_block_attention": "common.ops.attention.draft_cpu",
+}
+
 Factory = Callable[[], Callable[..., Any]]
 
 
@@ -139,9 +155,10 @@ class OpRegistry:
 
 
 def default_registry() -> OpRegistry:
-    """A fresh registry with the plain-torch ``reference`` backend of every op and the GPU
-    backends of ``GPU_OPS``. Registration is lazy: resolving a backend is what imports its kernel
-    library, so this is safe on a machine without a GPU until such a backend is chosen."""
+    """A fresh registry with the plain-torch ``reference`` backend of every op, the GPU
+    backends of ``GPU_OPS`` and the CPU backends of ``CPU_OPS``. Registration is lazy:
+    resolving a backend is what imports its kernel library, so this is safe on a machine
+    without a GPU until such a backend is chosen."""
     registry = OpRegistry()
     for op, module in REFERENCE_OPS.items():
         registry.register(op, REFERENCE_BACKEND, _import_factory(module, op))
@@ -149,4 +166,6 @@ def default_registry() -> OpRegistry:
         for backend, module in backends.items():
             options = {"pdl": True} if backend == PDL_BACKEND else {}
             registry.register(op, backend, _import_factory(module, op, **options))
+    for op, module in CPU_OPS.items():
+        registry.register(op, CPU_BACKEND, _import_factory(module, op))
     return registry

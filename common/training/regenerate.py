@@ -57,9 +57,9 @@ def regenerate(config: RegenerateConfig) -> dict:
     from common.tokenizer import load_tokenizer
     from common.training.token_data import WindowSampler, read_documents, token_stream
 
-    kernels = config.kernels
-    if kernels == "auto":
-        kernels = "gpu" if torch.device(config.device).type == "cuda" else "reference"
+    from common.ops.gpu_backends import set_for_device
+
+    kernels = set_for_device(config.kernels, str(config.device))
     target = load_model(config.model, device=config.device, kernels=select_kernels(kernels))
     tokenizer = load_tokenizer(config.model, allow_missing=True)
     eos = eos_token_ids_for(config.model, target.config)

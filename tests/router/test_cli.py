@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from common.engine.factory import select_kernel_set
 from common.engine.llm_engine import EngineConfig, LLMEngine
 from common.model.load import load_model
 from common.sampling import SamplingParams
@@ -18,10 +19,16 @@ def run_json(capsys, *args) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def engine() -> LLMEngine:
+    """The engine ``generate`` runs in process: the tiny model with the default kernel set
+    (``auto``; logprobs are compared exactly, so the kernels must be the same)."""
+    return LLMEngine(load_model("tiny", kernels=select_kernel_set("auto", "cpu")), EngineConfig())
+
+
 def test_generate_json_matches_the_engine(capsys):
     out = run_json(capsys, "--prompt-ids", "1,2,3", "--max-new-tokens", "6",
                    "--temperature", "0")
-    (req,) = LLMEngine(load_model("tiny"), EngineConfig()).generate(
+    (req,) = engine().generate(
         [[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=6))
     assert out["token_ids"] == req.output_ids
     assert out["text"] == ByteTokenizer().decode(req.output_ids)
@@ -31,7 +38,7 @@ def test_generate_json_matches_the_engine(capsys):
 def test_generate_json_reports_logprobs_when_asked(capsys):
     out = run_json(capsys, "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
                    "--temperature", "0", "--ignore-eos", "--logprobs", "2")
-    (req,) = LLMEngine(load_model("tiny"), EngineConfig()).generate(
+    (req,) = engine().generate(
         [[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True,
                                     logprobs=2))
     assert out["logprobs"] == [{"logprob": lp.logprob, "top": [list(t) for t in lp.top]}

@@ -97,10 +97,17 @@ def test_settings_refuse_an_unknown_warmup_policy():
         EngineSettings(model="tiny", warmup="sometimes")
 
 
-def test_auto_kernels_are_the_reference_set_on_the_cpu():
+def test_auto_kernels_are_the_cpu_set_on_the_cpu():
+    from common.ops.gpu_backends import chosen_backends
+    from common.model.kernels import MODEL_OPS
+
     assert select_kernel_set(None, "cpu") is None
     kernels = select_kernel_set("auto", "cpu")
-    assert set(dict(kernels.backends).values()) == {"reference"}
+    cpu_set = chosen_backends("cpu", list(MODEL_OPS))
+    assert dict(kernels.backends) == cpu_set
+    assert set(cpu_set.values()) != {"reference"}
+    reference = select_kernel_set("reference", "cpu")
+    assert set(dict(reference.backends).values()) == {"reference"}
 
 
 def test_generate_in_process_speculates_through_the_factory(capsys):

@@ -1,6 +1,7 @@
 """The shipped pycoder pair (common/model/weights/): it loads by name, its draft is trained (it
 is accepted on the target's own kind of text), and in fp32 greedy output with the draft equals
-plain greedy output token for token. (In the checkpoint's bf16, two logits are often one bf16
+plain greedy output token for token, with the reference kernels and with the CPU set (whose
+verify and commit run the chunked form of the rule). (In the checkpoint's bf16, two logits are often one bf16
 step apart, so a verify forward and a decode step can break a tie differently:
 docs/training.md.)"""
 
@@ -11,6 +12,7 @@ import torch
 
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.model.dflash import load_draft
+from common.model.kernels import select_kernels
 from common.model.load import load_model
 from common.sampling import SamplingParams
 from common.tokenizer import load_tokenizer
@@ -26,8 +28,10 @@ def pair():
     return target, draft, load_tokenizer("pycoder")
 
 
-def test_greedy_with_the_shipped_draft_equals_plain_greedy_in_fp32(pair):
+@pytest.mark.parametrize("kernels", ["reference", "cpu"])
+def test_greedy_with_the_shipped_draft_equals_plain_greedy_in_fp32(pair, kernels):
     target, draft, tokenizer = pair
+    target.kernels = draft.kernels = select_kernels(kernels)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     cache = CacheConfig(page_size=16, num_pages=32)

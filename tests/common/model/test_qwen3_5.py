@@ -7,6 +7,7 @@ import torch
 
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine, make_pools
 from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.model.kernels import select_kernels
 from common.model.load import load_model
 from common.model.family_registry import families
 from common.sampling import SamplingParams
@@ -48,11 +49,13 @@ def hf_greedy(hf, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+# the CPU kernel set (what `auto` runs on a CPU) is held to the same oracle
+@pytest.mark.parametrize("kernels", ["reference", "cpu"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_logits_and_greedy_match_transformers(checkpoints, kind):
+def test_logits_and_greedy_match_transformers(checkpoints, kind, kernels):
     path = checkpoints[kind]
     hf = load_hf_model(kind, path)
-    ours = load_model(str(path))
+    ours = load_model(str(path), kernels=select_kernels(kernels))
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0].float()
     got = forward_all_logits(ours, [PROMPT])

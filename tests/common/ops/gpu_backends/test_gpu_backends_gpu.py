@@ -18,7 +18,7 @@ import torch
 
 from common.model.kernels import select_kernels
 from common.ops import gpu_backends
-from common.ops.registry import GPU_OPS, default_registry
+from common.ops.registry import CPU_BACKEND, CPU_OPS, GPU_OPS, default_registry
 from tests.common.compare import cosine, rel_rmse
 
 PAGE = 16
@@ -28,7 +28,7 @@ def test_backend_sets_name_registered_backends():
     assert gpu_backends.backends_for("reference") == {}
     for name in gpu_backends.BACKEND_SETS:
         for op, backend in gpu_backends.backends_for(name).items():
-            assert backend in GPU_OPS[op]
+            assert backend in GPU_OPS.get(op, {}) or (backend == CPU_BACKEND and op in CPU_OPS)
             assert backend in default_registry().backends(op)
     chosen = gpu_backends.chosen_backends("gpu")
     assert chosen["paged_attention"] == "flashinfer" and chosen["l2norm"] == "reference"
@@ -40,10 +40,10 @@ def test_backend_sets_name_registered_backends():
     assert chosen["linear"] == "triton-pdl" and chosen["sparse_moe"] == "triton"
     plain = gpu_backends.chosen_backends("gpu-no-pdl")
     assert plain["linear"] == "triton" and plain["paged_attention"] == "flashinfer"
-    with pytest.raises(ValueError, match="known: gpu, gpu-fla, gpu-no-pdl, reference"):
+    with pytest.raises(ValueError, match="known: cpu, gpu, gpu-fla, gpu-no-pdl, reference"):
         gpu_backends.backends_for("fast")
     assert gpu_backends.set_for_device("auto", "cuda:1") == "gpu"
-    assert gpu_backends.set_for_device("auto", "cpu") == "reference"
+    assert gpu_backends.set_for_device("auto", "cpu") == "cpu"
     assert gpu_backends.set_for_device("gpu-fla", "cpu") == "gpu-fla"
 
 
