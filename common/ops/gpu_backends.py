@@ -8,9 +8,9 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
 - ``cpu``: plain torch arranged for a CPU (``torch-cpu`` backends, ``CPU_OPS`` of the
   registry), where the reference loops over requests and tokens and allocates state-sized
   temporaries: the GDN decode step on the pool rows in place, the conv1d update with one
-  gather and one scatter, the DFLASH verify and commit as the chunked rule batched over
-  requests, paged and draft attention over the whole batch in one masked matmul (2.4x the
-  reference's speed for a pycoder decode step at batch 16 on one thread, 3.5x with its draft:
+  gather and one scatter, the chunked prefill and the DFLASH verify and commit as the chunked
+  rule batched over requests, paged and draft attention over the whole batch in one masked
+  matmul (2.4x the reference's speed for a pycoder decode step at batch 16 on one thread, 3.5x with its draft:
   docs/kernels.md). The reference's numbers to fp32 rounding; the other ops are the reference.
 - ``gpu``: the fastest backends measured on H200 (docs/kernel_benchmarks.md): FlashInfer
   chunked GDN prefill (128-dim heads; other head dims and fp32 go to fla), our Triton token

@@ -90,8 +90,9 @@ GRAPH_CAPABILITIES: dict[str, dict[str, GraphCapability]] = {
         # lengths and pages read on the host, as the reference does
         CPU_BACKEND: GraphCapability(capturable=False),
     },
-    # the CPU steps on the state pool loop over slots, and the CPU verify, commit and draft
-    # attention pad to lengths, read on the host
+    # the CPU steps on the state pool loop over slots, and the CPU prefill, verify, commit and
+    # draft attention pad to lengths, read on the host
+    "chunk_gated_delta_rule": {CPU_BACKEND: GraphCapability(capturable=False)},
     "gdn_decode_in_place": {CPU_BACKEND: GraphCapability(capturable=False)},
     "gdn_verify": {CPU_BACKEND: GraphCapability(capturable=False)},
     "gdn_commit_in_place": {CPU_BACKEND: GraphCapability(capturable=False)},

@@ -94,6 +94,7 @@ GPU_OPS: dict[str, dict[str, str]] = {
 # op name -> module holding its CPU_BACKEND (attribute named like the op); plain torch, so
 # resolving one imports nothing heavy
 CPU_OPS: dict[str, str] = {
+    "chunk_gated_delta_rule": "common.ops.gdn.prefill_cpu",
     "gdn_decode_in_place": "common.ops.gdn.decode_cpu",
     "conv1d_update_in_place": "common.ops.conv1d.update_cpu",
     "gdn_verify": "common.ops.gdn.verify_cpu",

@@ -1,5 +1,6 @@
 """GDN tokens replayed from given states in plain torch, fast on the CPU: the walk shared by the
-CPU verify and commit (``verify_cpu.py``, ``commit_cpu.py``).
+CPU verify and commit (``verify_cpu.py``, ``commit_cpu.py``) and, from :func:`walk` on, the CPU
+prefill (``prefill_cpu.py``).
 
 The reference (``replay_reference.replay``) convolves request by request and steps the
 recurrence token by token, gathering, decaying and scattering every state at every token. Here
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from common.ops.gdn.decode_cpu import drop_negligible, l2_normalised, per_value_head
 from common.ops.gdn.reference import gdn_gating
 
-__all__ = ["CHUNK", "replay", "padded", "sequence_lengths"]
+__all__ = ["CHUNK", "replay", "walk", "padded", "sequence_lengths"]
 
 # tokens per step of the chunked rule (the reference prefill's): a longer block is walked chunk
 # by chunk, its state stepped between chunks
@@ -123,18 +124,44 @@ def replay(*, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lens: list[in
     def heads(t: torch.Tensor) -> torch.Tensor:
         return per_value_head(t.transpose(1, 2), hv).reshape(n * hv, length, -1)
 
-    q, k, v = heads(q), heads(k), heads(v)
     g, beta = (t.transpose(1, 2).reshape(n * hv, length) for t in (g, beta))
-    o = torch.empty(n * hv, length, dv, dtype=dt, device=device) if outputs else None
-    for cs in range(0, length, CHUNK):
-        ce = min(cs + CHUNK, length)
-        o_chunk = _chunk(q[:, cs:ce], k[:, cs:ce], v[:, cs:ce], g[:, cs:ce], beta[:, cs:ce],
-                         states, outputs=outputs, step=final_state or ce < length)
-        if o is not None:
-            o[:, cs:ce] = o_chunk
+    o = walk(heads(q), heads(k), heads(v), g, beta, states, outputs=outputs,
+             final_state=final_state)
     if o is None:
         return None, new_conv
     return o.view(n, hv, length, dv).transpose(1, 2).to(qkv.dtype), new_conv
+
+
+def walk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+         beta: torch.Tensor, states: States, *, lens: list[int] | None = None,
+         chunk: int = CHUNK, outputs: bool = True, final_state: bool = True
+         ) -> torch.Tensor | None:
+    """The chunked rule over a padded block of N sequences, chunk by chunk (shared with the
+    CPU prefill, ``prefill_cpu.py``).
+
+    q, k: [N*HV, L, K] (sequence-major, then value head; q scaled, both l2-normalised as the
+    caller wants); v: [N*HV, L, V]; g, beta: [N*HV, L] log decay and write strength, padding
+    tokens with zero key, g and beta (they leave the state as it was). states: N states in
+    pool layout, stepped in place (only between chunks without ``final_state``). lens: the N
+    lengths when they never rise (longest first): a chunk then leaves out the sequences that
+    ended before it instead of walking their padding. Returns o [N*HV, L, V] in the compute
+    dtype (rows at padding positions unspecified; None without ``outputs``).
+    """
+    n = len(states)
+    heads, length = g.shape[0] // n, g.shape[1]
+    if lens is not None and any(b > a for a, b in zip(lens, lens[1:])):
+        raise ValueError(f"walk: lens must not rise, got {lens}")
+    o = torch.empty(*v.shape, dtype=v.dtype, device=v.device) if outputs else None
+    for cs in range(0, length, chunk):
+        ce = min(cs + chunk, length)
+        live = n if lens is None else sum(1 for x in lens if x > cs)  # a prefix of the rows
+        rows = slice(0, live * heads)
+        o_chunk = _chunk(q[rows, cs:ce], k[rows, cs:ce], v[rows, cs:ce], g[rows, cs:ce],
+                         beta[rows, cs:ce], states if live == n else states[:live],
+                         outputs=outputs, step=final_state or ce < length)
+        if o is not None:
+            o[rows, cs:ce] = o_chunk
+    return o
 
 
 def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
