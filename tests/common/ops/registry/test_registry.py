@@ -24,7 +24,7 @@ def test_gpu_backends_are_registered_without_importing_their_libraries():
     import sys
 
     registry = default_registry()
-    assert registry.backends("chunk_gated_delta_rule") == ["fla", "flashinfer", "reference"]
+    assert registry.backends("chunk_gated_delta_rule") == ["fla", "flashinfer", "reference", "torch-cpu"]
     for op in ("gdn_gating", "apply_rope", "store_paged_kv"):
         assert registry.backends(op) == ["reference", "triton"]
     for op in ("rms_norm", "gated_rms_norm", "add_rms_norm", "silu_and_mul", "linear"):
