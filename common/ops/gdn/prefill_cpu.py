@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from common.ops.gdn._common import check_shapes
-from common.ops.gdn.decode_cpu import drop_negligible, l2_normalised, per_value_head
+from common.ops.gdn.decode_cpu import drop_negligible, l2_normalised
 from common.ops.gdn.replay_cpu import sequence_lengths, walk
 
 __all__ = ["chunk_gated_delta_rule"]
@@ -81,7 +81,7 @@ def chunk_gated_delta_rule(
         for first, end in _groups(sorted_lens, chunk_size):
             seqs = order[first:end]
             _walk_group(tokens, out, states[first:end], [lens[i] for i in seqs],
-                        [starts[i] for i in seqs], hv, chunk_size)
+                        [starts[i] for i in seqs], chunk_size)
     final[ranks] = states.transpose(-1, -2)
     return out, final
 
@@ -106,10 +106,9 @@ def _groups(lens: list[int], chunk: int) -> list[tuple[int, int]]:
 
 
 def _walk_group(tokens: tuple[torch.Tensor, ...], out: torch.Tensor, states: torch.Tensor,
-                lens: list[int], starts: list[int], hv: int, chunk: int) -> None:
+                lens: list[int], starts: list[int], chunk: int) -> None:
     """Sequences (lengths ``lens``, longest first, packed from rows ``starts``) walked as one
     padded block from ``states`` (stepped in place); their outputs written to ``out``."""
-    q, k, v, g, beta = tokens
     n, length, device = len(lens), lens[0], out.device
     real = index = None
     if lens[-1] < length or starts != list(range(starts[0], starts[0] + n * length, length)):
@@ -121,20 +120,9 @@ def _walk_group(tokens: tuple[torch.Tensor, ...], out: torch.Tensor, states: tor
         x = x[starts[0]:starts[0] + n * length] if index is None else x[index.flatten()]
         return x.view(n, length, *x.shape[1:])
 
-    qb, kb, vb, gb, bb = (block(x) for x in tokens)
-    if lens[-1] < length:  # padding tokens: no decay, no write, no key
-        pad = ~real
-        kb = kb.masked_fill(pad[..., None, None], 0)
-        gb = gb.masked_fill(pad[..., None], 0)
-        bb = bb.masked_fill(pad[..., None], 0)
-
-    # head-major [N*HV, L, D]: every product of a chunk is a matmul batched over (sequence, head)
-    def heads(x: torch.Tensor) -> torch.Tensor:
-        return per_value_head(x.transpose(1, 2), hv).reshape(n * hv, length, -1)
-
-    gb, bb = (x.transpose(1, 2).reshape(n * hv, length) for x in (gb, bb))
-    o = walk(heads(qb), heads(kb), heads(vb), gb, bb, states, lens=lens, chunk=chunk)
-    o = o.view(n, hv, length, -1).transpose(1, 2).to(out.dtype)  # [N, L, HV, V]
+    pad = None if lens[-1] == length else ~real
+    o = walk(*(block(x) for x in tokens), states, pad=pad, lens=lens, chunk=chunk)
+    o = o.to(out.dtype)  # [N, L, HV, V]
     if index is None:
         out[starts[0]:starts[0] + n * length] = o.flatten(0, 1)
     else:

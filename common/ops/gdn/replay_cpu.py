@@ -113,55 +113,55 @@ def replay(*, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lens: list[in
     g, beta = gdn_gating(A_log=A_log, a=a.flatten(0, 1), dt_bias=dt_bias, b=b.flatten(0, 1))
     g = g.to(dt).view(n, length, hv)
     beta = drop_negligible(beta.to(dt)).view(n, length, hv)
-    if min(lens) < length:  # padding tokens: no decay, no write, no key
+    pad = None
+    if min(lens) < length:
         pad = (torch.arange(length, device=device)[None, :]
                >= torch.tensor(lens, device=device)[:, None])
+    o = walk(q, k, v, g, beta, states, pad=pad, outputs=outputs, final_state=final_state)
+    return (None if o is None else o.to(qkv.dtype)), new_conv
+
+
+def walk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+         beta: torch.Tensor, states: States, *, pad: torch.Tensor | None = None,
+         lens: list[int] | None = None, chunk: int = CHUNK, outputs: bool = True,
+         final_state: bool = True) -> torch.Tensor | None:
+    """The chunked rule over a padded block of N sequences, chunk by chunk (shared with the
+    CPU prefill, ``prefill_cpu.py``).
+
+    q, k: [N, L, HK, K] (q scaled, both l2-normalised as the caller wants); v: [N, L, HV, V];
+    g, beta: [N, L, HV] log decay and write strength. pad: [N, L], True at padding tokens
+    (None: none), which get a zero key, g and beta, so they leave the state as it was.
+    states: N states in pool layout, stepped in place (only between chunks without
+    ``final_state``). lens: the N lengths when they never rise (longest first): a chunk then
+    leaves out the sequences that ended before it instead of walking their padding. Returns
+    o [N, L, HV, V] in the compute dtype (rows at padding positions unspecified; None without
+    ``outputs``).
+    """
+    n, length, hv = v.shape[:3]
+    if lens is not None and any(b > a for a, b in zip(lens, lens[1:])):
+        raise ValueError(f"walk: lens must not rise, got {lens}")
+    if pad is not None:
         k = k.masked_fill(pad[..., None, None], 0)
         g = g.masked_fill(pad[..., None], 0)
         beta = beta.masked_fill(pad[..., None], 0)
 
-    # head-major [N*HV, L, D]: every product below is a matmul batched over (sequence, head)
-    def heads(t: torch.Tensor) -> torch.Tensor:
-        return per_value_head(t.transpose(1, 2), hv).reshape(n * hv, length, -1)
+    # head-major [N*HV, L, D]: every product of a chunk is a matmul batched over (sequence, head)
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return per_value_head(x.transpose(1, 2), hv).reshape(n * hv, length, -1)
 
-    g, beta = (t.transpose(1, 2).reshape(n * hv, length) for t in (g, beta))
-    o = walk(heads(q), heads(k), heads(v), g, beta, states, outputs=outputs,
-             final_state=final_state)
-    if o is None:
-        return None, new_conv
-    return o.view(n, hv, length, dv).transpose(1, 2).to(qkv.dtype), new_conv
-
-
-def walk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-         beta: torch.Tensor, states: States, *, lens: list[int] | None = None,
-         chunk: int = CHUNK, outputs: bool = True, final_state: bool = True
-         ) -> torch.Tensor | None:
-    """The chunked rule over a padded block of N sequences, chunk by chunk (shared with the
-    CPU prefill, ``prefill_cpu.py``).
-
-    q, k: [N*HV, L, K] (sequence-major, then value head; q scaled, both l2-normalised as the
-    caller wants); v: [N*HV, L, V]; g, beta: [N*HV, L] log decay and write strength, padding
-    tokens with zero key, g and beta (they leave the state as it was). states: N states in
-    pool layout, stepped in place (only between chunks without ``final_state``). lens: the N
-    lengths when they never rise (longest first): a chunk then leaves out the sequences that
-    ended before it instead of walking their padding. Returns o [N*HV, L, V] in the compute
-    dtype (rows at padding positions unspecified; None without ``outputs``).
-    """
-    n = len(states)
-    heads, length = g.shape[0] // n, g.shape[1]
-    if lens is not None and any(b > a for a, b in zip(lens, lens[1:])):
-        raise ValueError(f"walk: lens must not rise, got {lens}")
+    q, k, v = heads(q), heads(k), heads(v)
+    g, beta = (x.transpose(1, 2).reshape(n * hv, length) for x in (g, beta))
     o = torch.empty(*v.shape, dtype=v.dtype, device=v.device) if outputs else None
     for cs in range(0, length, chunk):
         ce = min(cs + chunk, length)
         live = n if lens is None else sum(1 for x in lens if x > cs)  # a prefix of the rows
-        rows = slice(0, live * heads)
+        rows = slice(0, live * hv)
         o_chunk = _chunk(q[rows, cs:ce], k[rows, cs:ce], v[rows, cs:ce], g[rows, cs:ce],
                          beta[rows, cs:ce], states if live == n else states[:live],
                          outputs=outputs, step=final_state or ce < length)
         if o is not None:
             o[rows, cs:ce] = o_chunk
-    return o
+    return None if o is None else o.view(n, hv, length, -1).transpose(1, 2)
 
 
 def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
