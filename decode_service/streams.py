@@ -43,20 +43,19 @@ class TokenStreams:
         self._expire()
         now = time.monotonic()
         for event in events:
-            channel = self._channel(int(event.request_id), expire=False)
+            channel = self._channel(int(event.request_id))
             channel.queue.put_nowait(event)
             if event.finish_reason is not None:
                 channel.finished_at = now
 
-    def _channel(self, handoff_id: int, expire: bool = True) -> _Channel:
-        if expire:
-            self._expire()
+    def _channel(self, handoff_id: int) -> _Channel:
         channel = self._channels.get(handoff_id)
         if channel is None:
             channel = self._channels[handoff_id] = _Channel()
         return channel
 
     def subscribe(self, handoff_id: int) -> asyncio.Queue:
+        self._expire()
         channel = self._channel(handoff_id)
         if channel.subscribed:
             raise ValueError(f"handoff {handoff_id} already has a stream")
