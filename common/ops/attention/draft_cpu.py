@@ -16,9 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from common.ops.attention.draft_reference import check_shapes
+from common.ops.attention.draft_reference import check_lengths, check_shapes
 from common.ops.attention.paged_cpu import gather_pages
-from common.ops.attention.reference import as_lengths
 
 __all__ = ["draft_block_attention"]
 
@@ -59,13 +58,7 @@ def draft_block_attention(
     n, b, h, d, kvh = check_shapes(q=q, block_k=block_k, block_v=block_v, k_cache=k_cache,
                                    v_cache=v_cache, page_table=page_table,
                                    sliding_window=sliding_window)
-    ctx = as_lengths("context_lens", context_lens, n)
-    start = as_lengths("start_positions", start_positions, n)
-    page_size = k_cache.shape[1]
-    if n and max(ctx) > page_table.shape[1] * page_size:
-        raise ValueError("a context is longer than max_pages * page_size positions")
-    if any(c > s for c, s in zip(ctx, start)):
-        raise ValueError(f"context_lens {ctx} must not exceed start_positions {start}")
+    ctx, start = check_lengths(context_lens, start_positions, page_table, k_cache.shape[1])
     if n == 0 or b == 0:
         return torch.empty_like(q)
 

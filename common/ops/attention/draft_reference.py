@@ -9,7 +9,7 @@ import torch
 
 from common.ops.attention.reference import as_lengths
 
-__all__ = ["check_shapes", "draft_block_attention"]
+__all__ = ["check_lengths", "check_shapes", "draft_block_attention"]
 
 
 def check_shapes(*, q, block_k, block_v, k_cache, v_cache, page_table,
@@ -37,6 +37,22 @@ def check_shapes(*, q, block_k, block_v, k_cache, v_cache, page_table,
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     return n, b, h, d, kvh
+
+
+def check_lengths(context_lens: Sequence[int] | torch.Tensor,
+                  start_positions: Sequence[int] | torch.Tensor, page_table: torch.Tensor,
+                  page_size: int) -> tuple[list[int], list[int]]:
+    """The length rules of :func:`draft_block_attention` (read on the host): one context length
+    and one block start per page-table row, each context within the row's pages and not past
+    its block's start. Returns (context_lens, start_positions) as ints."""
+    n, max_pages = page_table.shape
+    ctx = as_lengths("context_lens", context_lens, n)
+    start = as_lengths("start_positions", start_positions, n)
+    if n and max(ctx) > max_pages * page_size:
+        raise ValueError("a context is longer than max_pages * page_size positions")
+    if any(c > s for c, s in zip(ctx, start)):
+        raise ValueError(f"context_lens {ctx} must not exceed start_positions {start}")
+    return ctx, start
 
 
 def draft_block_attention(
@@ -80,13 +96,8 @@ def draft_block_attention(
     n, b, h, d, kvh = check_shapes(q=q, block_k=block_k, block_v=block_v, k_cache=k_cache,
                                    v_cache=v_cache, page_table=page_table,
                                    sliding_window=sliding_window)
-    ctx = as_lengths("context_lens", context_lens, n)
-    start = as_lengths("start_positions", start_positions, n)
+    ctx, start = check_lengths(context_lens, start_positions, page_table, k_cache.shape[1])
     num_pages, page_size = k_cache.shape[:2]
-    if n and max(ctx) > page_table.shape[1] * page_size:
-        raise ValueError("a context is longer than max_pages * page_size positions")
-    if any(c > s for c, s in zip(ctx, start)):
-        raise ValueError(f"context_lens {ctx} must not exceed start_positions {start}")
 
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = h // kvh

@@ -18,42 +18,13 @@ from collections.abc import Sequence
 
 import torch
 
-from common.ops.attention.reference import as_lengths
+from common.ops.attention.reference import check_paged
 
 __all__ = ["gather_pages", "paged_attention"]
 
 # the most padded score entries the batched form may compute per useful one before a batch is
 # cheaper request by request
 _PADDING_LIMIT = 2.0
-
-
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           page_table: torch.Tensor, prefix_lens, extend_lens) -> tuple[list[int], list[int]]:
-    """The reference's argument rules; returns (prefix_lens, extend_lens) as ints."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, H, D], got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [pages, page_size, KVH, D], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    t, h, d = q.shape
-    _, page_size, kvh, dk = k_cache.shape
-    if dk != d:
-        raise ValueError(f"head dim of q ({d}) and of the cache ({dk}) differ")
-    if h % kvh != 0:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
-    if page_table.dim() != 2 or page_table.is_floating_point():
-        raise ValueError(f"page_table must be an integer [N, max_pages] tensor, got "
-                         f"{tuple(page_table.shape)}")
-    n, max_pages = page_table.shape
-    prefix = as_lengths("prefix_lens", prefix_lens, n)
-    extend = as_lengths("extend_lens", extend_lens, n)
-    if sum(extend) != t:
-        raise ValueError(f"sum(extend_lens) = {sum(extend)} but q has {t} tokens")
-    if n and max(p + e for p, e in zip(prefix, extend)) > max_pages * page_size:
-        raise ValueError(f"a request needs more than max_pages * page_size = "
-                         f"{max_pages * page_size} positions")
-    return prefix, extend
 
 
 def paged_attention(
@@ -81,7 +52,7 @@ def paged_attention(
     Returns:
         o: [T, H, D] in q.dtype; scores, softmax and the weighted sum in fp32 (fp64 for fp64 q).
     """
-    prefix, extend = _check(q, k_cache, v_cache, page_table, prefix_lens, extend_lens)
+    prefix, extend = check_paged(q, k_cache, v_cache, page_table, prefix_lens, extend_lens)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     rows = [r for r, e in enumerate(extend) if e]
     if not rows:

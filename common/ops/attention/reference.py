@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["paged_attention"]
+__all__ = ["as_lengths", "check_paged", "paged_attention"]
 
 
 def as_lengths(name: str, value: Sequence[int] | torch.Tensor, n: int) -> list[int]:
@@ -15,6 +15,36 @@ def as_lengths(name: str, value: Sequence[int] | torch.Tensor, n: int) -> list[i
     if len(values) != n or any(x < 0 for x in values):
         raise ValueError(f"{name} must hold {n} non-negative lengths, got {values}")
     return values
+
+
+def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                page_table: torch.Tensor, prefix_lens: Sequence[int] | torch.Tensor,
+                extend_lens: Sequence[int] | torch.Tensor) -> tuple[list[int], list[int]]:
+    """The argument rules of :func:`paged_attention`; returns (prefix_lens, extend_lens) as
+    ints."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, D], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [pages, page_size, KVH, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    t, h, d = q.shape
+    _, page_size, kvh, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"head dim of q ({d}) and of the cache ({dk}) differ")
+    if h % kvh != 0:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
+    if page_table.dim() != 2 or page_table.is_floating_point():
+        raise ValueError(f"page_table must be an integer [N, max_pages] tensor, got {tuple(page_table.shape)}")
+    n, max_pages = page_table.shape
+    prefix = as_lengths("prefix_lens", prefix_lens, n)
+    extend = as_lengths("extend_lens", extend_lens, n)
+    if sum(extend) != t:
+        raise ValueError(f"sum(extend_lens) = {sum(extend)} but q has {t} tokens")
+    if n and max(p + e for p, e in zip(prefix, extend)) > max_pages * page_size:
+        raise ValueError(f"a request needs more than max_pages * page_size = {max_pages * page_size} positions")
+    return prefix, extend
 
 
 def paged_attention(
@@ -44,28 +74,10 @@ def paged_attention(
     Returns:
         o: [T, H, D] in q.dtype. Scores, softmax and the weighted sum run in fp32 (fp64 for fp64 q).
     """
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, H, D], got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [pages, page_size, KVH, D], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    prefix, extend = check_paged(q, k_cache, v_cache, page_table, prefix_lens, extend_lens)
     t, h, d = q.shape
-    num_pages, page_size, kvh, dk = k_cache.shape
-    if dk != d:
-        raise ValueError(f"head dim of q ({d}) and of the cache ({dk}) differ")
-    if h % kvh != 0:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
-    if page_table.dim() != 2 or page_table.is_floating_point():
-        raise ValueError(f"page_table must be an integer [N, max_pages] tensor, got {tuple(page_table.shape)}")
-    n, max_pages = page_table.shape
-    prefix = as_lengths("prefix_lens", prefix_lens, n)
-    extend = as_lengths("extend_lens", extend_lens, n)
-    if sum(extend) != t:
-        raise ValueError(f"sum(extend_lens) = {sum(extend)} but q has {t} tokens")
-    if n and max(p + e for p, e in zip(prefix, extend)) > max_pages * page_size:
-        raise ValueError(f"a request needs more than max_pages * page_size = {max_pages * page_size} positions")
+    num_pages, page_size, kvh, _ = k_cache.shape
+    n = page_table.shape[0]
 
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = h // kvh

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "conv1d_update_in_place"]
+__all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "conv1d_update_in_place",
+           "check_activation", "check_in_place"]
 
 _ACTIVATIONS = ("silu", None)
 
@@ -17,7 +18,8 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _check_activation(activation: str | None) -> None:
+def check_activation(activation: str | None) -> None:
+    """ValueError unless ``activation`` is one the conv applies ("silu" or None)."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
 
@@ -63,7 +65,7 @@ def causal_conv1d_prefill(
         final_state: [N, D, W-1] in x.dtype, the last W-1 inputs of cat(initial_state, sequence);
             this also covers sequences shorter than W-1.
     """
-    _check_activation(activation)
+    check_activation(activation)
     if x.dim() != 2:
         raise ValueError(f"x must be [T, D], got {tuple(x.shape)}")
     t, d = x.shape
@@ -111,7 +113,7 @@ def causal_conv1d_update(
         y: [N, D] in x.dtype.
         new_state: [N, D, W-1] in conv_state.dtype, the window shifted left by one with x appended.
     """
-    _check_activation(activation)
+    check_activation(activation)
     if x.dim() != 2:
         raise ValueError(f"x must be [N, D], got {tuple(x.shape)}")
     n, d = x.shape
@@ -164,7 +166,7 @@ def conv1d_update_in_place(
     Returns:
         y: [N, D] in x.dtype.
     """
-    _check_activation(activation)
+    check_activation(activation)
     check_in_place(x, conv_pool, slots, weight)
     index = slots.to(device=conv_pool.device, dtype=torch.long)
     y, new_state = causal_conv1d_update(x=x, conv_state=conv_pool[index], weight=weight,

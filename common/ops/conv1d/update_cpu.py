@@ -13,11 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.ops.conv1d.reference import check_in_place
+from common.ops.conv1d.reference import check_activation, check_in_place
 
 __all__ = ["conv1d_update_in_place"]
-
-_ACTIVATIONS = ("silu", None)
 
 
 def conv1d_update_in_place(
@@ -42,8 +40,7 @@ def conv1d_update_in_place(
     Returns:
         y: [N, D] in x.dtype.
     """
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    check_activation(activation)
     width = check_in_place(x, conv_pool, slots, weight)
     n = x.shape[0]
     index = slots.to(device=conv_pool.device, dtype=torch.long)

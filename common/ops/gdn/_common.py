@@ -34,6 +34,15 @@ def check_tokens(q, k, v, g, beta, gate_names: str = "g and beta"
     return t, hk, dk, hv, dv
 
 
+def sequence_bounds(cu_seqlens: torch.Tensor, t: int) -> list[int]:
+    """The offsets ``cu_seqlens`` [N+1] as ints (read on the host); ValueError unless they rise
+    from 0 to ``t``."""
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != t or any(e < s for s, e in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={t}, got {bounds}")
+    return bounds
+
+
 def check_shapes(q, k, v, g, beta, cu_seqlens, initial_state) -> tuple[int, int, int, int, int, int]:
     """The reference's shape rules, without reading a device tensor on the host.
 
@@ -43,9 +52,7 @@ def check_shapes(q, k, v, g, beta, cu_seqlens, initial_state) -> tuple[int, int,
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
         raise ValueError("cu_seqlens must be an integer tensor [N+1] with N >= 1")
     if not cu_seqlens.is_cuda:
-        bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != t or any(e < s for s, e in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to T={t}, got {bounds}")
+        sequence_bounds(cu_seqlens, t)
     n = cu_seqlens.numel() - 1
     if initial_state is not None and initial_state.shape != (n, hv, dk, dv):
         raise ValueError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from common.ops.gdn.commit_reference import check_commit
+from common.ops.gdn.commit_reference import accepted_lengths, check_commit
 from common.ops.gdn.replay_cpu import replay
 
 __all__ = ["gdn_commit_in_place"]
@@ -52,9 +52,7 @@ def gdn_commit_in_place(
                           conv_pool=conv_pool, conv_weight=conv_weight, ssm_pool=ssm_pool,
                           slots=slots, A_log=A_log, dt_bias=dt_bias, num_k_heads=num_k_heads,
                           num_v_heads=num_v_heads)[0]
-    lens = [int(j) for j in accepted.tolist()]
-    if any(not 1 <= j <= block for j in lens):
-        raise ValueError(f"accepted lengths {lens} must each be in 1..{block}")
+    lens = accepted_lengths(accepted, block)
     n, length = len(lens), max(lens)
     rows = slots.tolist()
     index = slots.to(device=conv_pool.device, dtype=torch.long)

@@ -14,7 +14,7 @@ import torch
 
 from common.ops.gdn.replay_reference import check_layer, replay
 
-__all__ = ["gdn_commit_in_place", "check_commit"]
+__all__ = ["gdn_commit_in_place", "accepted_lengths", "check_commit"]
 
 
 def check_commit(*, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: int,
@@ -42,6 +42,15 @@ def check_commit(*, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: 
     if block < 1 or n * block > rows:
         raise ValueError(f"{n} requests x block {block} exceed the {rows} recorded rows")
     return layers, n, dk, dv, width
+
+
+def accepted_lengths(accepted: torch.Tensor, block: int) -> list[int]:
+    """The tokens to commit per request as ints (read on the host); ValueError unless each is in
+    ``1..block``."""
+    lens = [int(j) for j in accepted.tolist()]
+    if any(not 1 <= j <= block for j in lens):
+        raise ValueError(f"accepted lengths {lens} must each be in 1..{block}")
+    return lens
 
 
 def gdn_commit_in_place(
@@ -91,9 +100,7 @@ def gdn_commit_in_place(
                           conv_pool=conv_pool, conv_weight=conv_weight, ssm_pool=ssm_pool,
                           slots=slots, A_log=A_log, dt_bias=dt_bias, num_k_heads=num_k_heads,
                           num_v_heads=num_v_heads)[0]
-    lens = [int(j) for j in accepted.tolist()]
-    if any(not 1 <= j <= block for j in lens):
-        raise ValueError(f"accepted lengths {lens} must each be in 1..{block}")
+    lens = accepted_lengths(accepted, block)
     device = qkv.device
     index = torch.tensor([r * block + i for r, j in enumerate(lens) for i in range(j)],
                          dtype=torch.long, device=device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.ops.gdn._common import check_in_place, check_shapes
+from common.ops.gdn._common import check_in_place, check_shapes, sequence_bounds
 
 __all__ = ["gdn_gating", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gdn_decode_in_place"]
 
@@ -55,9 +55,7 @@ def gdn_gating(
 def _prepare(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
     """Validate, cast, expand q/k to the value heads, and apply l2norm and scale once for all tokens."""
     t, hk, dk, hv, dv, n = check_shapes(q, k, v, g, beta, cu_seqlens, initial_state)
-    bounds = [int(x) for x in cu_seqlens.tolist()]
-    if bounds[0] != 0 or bounds[-1] != t or any(e < s for s, e in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to T={t}, got {bounds}")
+    bounds = sequence_bounds(cu_seqlens, t)
 
     dt = _compute_dtype(q, k, v)
     r = hv // hk

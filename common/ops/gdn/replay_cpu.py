@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.ops.gdn._common import sequence_bounds
 from common.ops.gdn.decode_cpu import drop_negligible, l2_normalised, per_value_head
 from common.ops.gdn.reference import gdn_gating
 
@@ -38,9 +39,7 @@ States = torch.Tensor | list[torch.Tensor]
 def sequence_lengths(cu_seqlens: torch.Tensor, rows: int) -> list[int]:
     """Per-sequence lengths from integer offsets [N+1] (read on the host); ValueError unless
     they rise from 0 to ``rows``."""
-    bounds = [int(x) for x in cu_seqlens.tolist()]
-    if bounds[0] != 0 or bounds[-1] != rows or any(e < s for s, e in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to T={rows}, got {bounds}")
+    bounds = sequence_bounds(cu_seqlens, rows)
     return [e - s for s, e in zip(bounds, bounds[1:])]
 
 
