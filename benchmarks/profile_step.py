@@ -10,8 +10,9 @@
   bookkeeping). The synchronisations serialise the step, so the phases add up to more than
   an unprofiled step. With the greedy commit graphs (``--no-commit-graphs`` turns them off)
   acceptance and commit are one replay, timed as "commit". With verify graphs the draft
-  context is written inside the verify forward: captured, it is part of "verify"; uncaptured
-  (CPU), it is timed as "context" and also counted in "verify", so "rest" comes out negative.
+  context is written inside the verify forward and is part of "verify"; uncaptured (the CPU,
+  or a batch above the graphs' sizes) the verify is the target's eager forward, and the
+  context's extension after it is timed as "context".
 
     python -m benchmarks.profile_step --device cuda --batch 1 [--out out/profile.json]
     python -m benchmarks.profile_step --model qwen3.5-35b-a3b          # MoE decode (no DFLASH)
@@ -155,6 +156,10 @@ def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 20, warm: in
     if verify is not None:
         originals["verify"] = verify.run
         verify.run = timed("verify", verify.run)
+    # the eager verify (no graph serves the batch): the target's forward, or the
+    # tensor-parallel runner's; a step whose requests all speculate runs no other forward
+    eager = spec.runner if spec.runner is not None else target
+    eager.forward = timed("verify", eager.forward)
     if commit_graphs is not None:  # acceptance and commit in one replay: timed as "commit"
         originals["commit_graphs"] = commit_graphs.run
         commit_graphs.run = timed("commit", commit_graphs.run)
@@ -178,6 +183,7 @@ def time_dflash_phases(engine: LLMEngine, device: str, steps: int = 20, warm: in
         target.commit_verified, spec.extend_context = originals["commit"], originals["context"]
         if verify is not None:
             verify.run = originals["verify"]
+        del eager.forward  # the instance attribute set above; the class's method again
         if commit_graphs is not None:
             commit_graphs.run = originals["commit_graphs"]
     return {name: statistics.median(r[name] for r in rows) for name in rows[0]}

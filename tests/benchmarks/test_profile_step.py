@@ -18,6 +18,8 @@ def test_a_checkpoint_and_its_draft_get_both_steps_profiled(tmp_path, capsys):
     assert 0 < result["decode"]["wall_ms"] < result["dflash"]["step"] * 4
     assert set(PHASES) <= set(result["dflash"])
     assert result["dflash"]["propose"] > 0 and result["dflash"]["commit"] > 0
+    # on the CPU the verify is the target's eager forward: timed, not left in "rest"
+    assert result["dflash"]["verify"] > 0 and result["dflash"]["rest"] > 0
     assert "dflash step, medians (ms)" in capsys.readouterr().out
     # the host table is the DFLASH step's (the draft's attention is among its costliest
     # functions on the CPU), most time of their own first
