@@ -43,6 +43,7 @@ from common.engine.scheduler import SchedulerConfig
 from common.model.dflash import load_draft
 from common.model.kernels import select_kernels
 from common.model.load import load_model
+from common.ops.gpu_backends import AUTO, set_for_device
 
 PHASES = ("propose", "verify", "accept", "commit", "context")
 
@@ -62,10 +63,8 @@ def tiny_engine(draft: bool) -> LLMEngine:
 
 def load_pair(model_name: str, draft_name: str, kernels: str, device: str):
     """A checkpoint (a built-in name or a directory) and its draft (None without one), with
-    kernel set ``kernels`` on a GPU and the reference kernels on the CPU."""
-    on_gpu = device.startswith("cuda")
-    model = load_model(model_name, device=device,
-                       kernels=select_kernels(kernels if on_gpu else "reference"))
+    kernel set ``kernels`` (a set that runs on ``device``)."""
+    model = load_model(model_name, device=device, kernels=select_kernels(kernels))
     return model.eval(), load_draft(draft_name, model) if draft_name else None
 
 
@@ -201,22 +200,25 @@ def main(argv=None) -> int:
                         "directory); without it only the decode step is profiled")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kernels", default="gpu", help="a kernel set (e.g. gpu-no-pdl)")
+    p.add_argument("--kernels", default=AUTO,
+                   help="a kernel set (e.g. gpu-no-pdl, reference; default: the workers' "
+                        "choice for --device, gpu on CUDA and cpu elsewhere)")
     p.add_argument("--out", default="out/profile.json")
     p.add_argument("--no-commit-graphs", dest="commit_graphs", action="store_false",
                    help="launch a greedy DFLASH step's acceptance and GDN commit one by one "
                         "(the baseline of the commit graphs)")
     args = p.parse_args(argv)
+    kernels = set_for_device(args.kernels, args.device)
     if args.model == "tiny":
         plain, spec = tiny_engine(False), tiny_engine(True)
         prompt_len, vocab = 24, 250
     else:
         if args.model in SHAPES:
-            model, draft = build(args.kernels, with_draft=args.model == "qwen3.5-4b",
+            model, draft = build(kernels, with_draft=args.model == "qwen3.5-4b",
                                  shape=args.model)
             prompt_len, vocab = 512, None
         else:
-            model, draft = load_pair(args.model, args.draft, args.kernels, args.device)
+            model, draft = load_pair(args.model, args.draft, kernels, args.device)
             prompt_len, vocab = 128, model.config.vocab_size
         graphs, running = args.device.startswith("cuda"), max(8, args.batch)
         plain = engine_for(model, None, max_running=running, graphs=graphs, device=args.device)
