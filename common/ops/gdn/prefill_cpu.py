@@ -16,11 +16,13 @@ in the other CPU GDN backends: ``decode_cpu.NEGLIGIBLE``). The lengths are read 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from common.ops.gdn._common import check_shapes
 from common.ops.gdn.decode_cpu import drop_negligible, l2_normalised
-from common.ops.gdn.replay_cpu import sequence_lengths, walk
+from common.ops.gdn.replay_cpu import padded, sequence_lengths, walk
 
 __all__ = ["chunk_gated_delta_rule"]
 
@@ -75,9 +77,7 @@ def chunk_gated_delta_rule(
         qk = l2_normalised(torch.stack([q.to(dt), k.to(dt)], dim=1), use_qk_l2norm, dim=-1)
         tokens = (qk[:, 0] * (dk ** -0.5 if scale is None else scale), qk[:, 1], v.to(dt),
                   g.to(dt), drop_negligible(beta.to(dt)))
-        starts = [0]
-        for x in lens[:-1]:
-            starts.append(starts[-1] + x)
+        starts = list(itertools.accumulate(lens[:-1], initial=0))
         for first, end in _groups(sorted_lens, chunk_size):
             seqs = order[first:end]
             _walk_group(tokens, out, states[first:end], [lens[i] for i in seqs],
@@ -109,15 +109,11 @@ def _walk_group(tokens: tuple[torch.Tensor, ...], out: torch.Tensor, states: tor
                 lens: list[int], starts: list[int], chunk: int) -> None:
     """Sequences (lengths ``lens``, longest first, packed from rows ``starts``) walked as one
     padded block from ``states`` (stepped in place); their outputs written to ``out``."""
-    n, length, device = len(lens), lens[0], out.device
-    real = index = None
-    if lens[-1] < length or starts != list(range(starts[0], starts[0] + n * length, length)):
-        step = torch.arange(length, device=device)
-        real = step[None, :] < torch.tensor(lens, device=device)[:, None]  # [N, L]
-        index = torch.where(real, torch.tensor(starts, device=device)[:, None] + step, 0)
+    n, length = len(lens), lens[0]
+    index, real = padded(lens, out.device, starts)
 
     def block(x: torch.Tensor) -> torch.Tensor:
-        x = x[starts[0]:starts[0] + n * length] if index is None else x[index.flatten()]
+        x = x[starts[0]:starts[0] + n * length] if index is None else x[index]
         return x.view(n, length, *x.shape[1:])
 
     pad = None if lens[-1] == length else ~real
@@ -126,4 +122,4 @@ def _walk_group(tokens: tuple[torch.Tensor, ...], out: torch.Tensor, states: tor
     if index is None:
         out[starts[0]:starts[0] + n * length] = o.flatten(0, 1)
     else:
-        out[index[real]] = o[real]
+        out[index.view(n, length)[real]] = o[real]

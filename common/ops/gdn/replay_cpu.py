@@ -18,6 +18,8 @@ was, so padding needs no masking in the rule.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +27,7 @@ from common.ops.gdn._common import sequence_bounds
 from common.ops.gdn.decode_cpu import drop_negligible, l2_normalised, per_value_head
 from common.ops.gdn.reference import gdn_gating
 
-__all__ = ["CHUNK", "replay", "walk", "padded", "sequence_lengths"]
+__all__ = ["CHUNK", "replay", "walk", "padded", "real_tokens", "sequence_lengths"]
 
 # tokens per step of the chunked rule (the reference prefill's): a longer block is walked chunk
 # by chunk, its state stepped between chunks
@@ -43,19 +45,29 @@ def sequence_lengths(cu_seqlens: torch.Tensor, rows: int) -> list[int]:
     return [e - s for s, e in zip(bounds, bounds[1:])]
 
 
-def padded(lens: list[int], device: torch.device
+def real_tokens(lens: list[int], device: torch.device) -> torch.Tensor:
+    """Which positions of the padded ``[N, L]`` block (L the longest length) are tokens."""
+    step = torch.arange(max(lens), device=device)
+    return step[None, :] < torch.tensor(lens, device=device)[:, None]
+
+
+def padded(lens: list[int], device: torch.device, starts: list[int] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """The padded ``[N, L]`` block of packed sequences (L the longest length): the packed row
     of each of its tokens ``[N * L]`` (a padding token names row 0) and which are real
-    ``[N, L]``; (None, None) when every sequence has length L (the packed rows are the block
-    already)."""
+    ``[N, L]``; (None, None) when the packed rows from ``starts[0]`` on are the block already
+    (every sequence of length L, each right after the one before). ``starts``: each
+    sequence's first packed row (default: back to back from row 0)."""
     length = max(lens)
-    if min(lens) == length:
+    if starts is None:
+        starts = list(itertools.accumulate(lens[:-1], initial=0))
+    if min(lens) == length and starts == list(range(starts[0], starts[0] + len(lens) * length,
+                                                    length)):
         return None, None
-    starts = torch.tensor([0] + lens[:-1], device=device).cumsum(0)
+    real = real_tokens(lens, device)
     step = torch.arange(length, device=device)
-    real = step[None, :] < torch.tensor(lens, device=device)[:, None]
-    return torch.where(real, starts[:, None] + step, 0).flatten(), real
+    first = torch.tensor(starts, device=device)[:, None]
+    return torch.where(real, first + step, 0).flatten(), real
 
 
 def replay(*, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lens: list[int],
@@ -112,10 +124,7 @@ def replay(*, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lens: list[in
     g, beta = gdn_gating(A_log=A_log, a=a.flatten(0, 1), dt_bias=dt_bias, b=b.flatten(0, 1))
     g = g.to(dt).view(n, length, hv)
     beta = drop_negligible(beta.to(dt)).view(n, length, hv)
-    pad = None
-    if min(lens) < length:
-        pad = (torch.arange(length, device=device)[None, :]
-               >= torch.tensor(lens, device=device)[:, None])
+    pad = ~real_tokens(lens, device) if min(lens) < length else None
     o = walk(q, k, v, g, beta, states, pad=pad, outputs=outputs, final_state=final_state)
     return (None if o is None else o.to(qkv.dtype)), new_conv
 
