@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from common.ops.attention.reference import check_paged
+from common.ops.padded_block import padded
 
 __all__ = ["gather_pages", "paged_attention"]
 
@@ -58,10 +59,10 @@ def paged_attention(
     if not rows:
         return out
     totals = [prefix[r] + extend[r] for r in rows]
-    padded = len(rows) * max(extend[r] for r in rows) * max(totals)
+    entries = len(rows) * max(extend[r] for r in rows) * max(totals)
     useful = sum(extend[r] * total for r, total in zip(rows, totals))
     starts = [sum(extend[:r]) for r in rows]
-    groups = [rows] if padded <= _PADDING_LIMIT * useful else [[r] for r in rows]
+    groups = [rows] if entries <= _PADDING_LIMIT * useful else [[r] for r in rows]
     for group in groups:
         first = starts[rows.index(group[0])]
         count = sum(extend[r] for r in group)
@@ -90,13 +91,10 @@ def _batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if new == 1:
         queries = q.to(dt).view(n, kvh, group, d)
     else:
-        # request r's token i at row i of its block; short requests repeat their first row
-        starts = torch.tensor([0] + extend[:-1], device=q.device).cumsum(0)
-        step = torch.arange(new, device=q.device)
-        real = step[None, :] < torch.tensor(extend, device=q.device)[:, None]  # [N, new]
-        index = starts[:, None] + torch.where(real, step, 0)
+        index, real = padded(extend, q.device)  # request r's token i at row i of its block
+        block = q if index is None else q[index]
         # [N, new, KVH, G, D] -> [N, KVH, G, new, D]
-        queries = q[index.flatten()].to(dt).view(n, new, kvh, group, d).permute(0, 2, 3, 1, 4)
+        queries = block.to(dt).view(n, new, kvh, group, d).permute(0, 2, 3, 1, 4)
     queries = queries.reshape(n * kvh, group * new, d)
 
     scores = torch.bmm(queries, keys.transpose(1, 2)).mul_(scale)  # [N*KVH, G*new, L]
@@ -114,7 +112,7 @@ def _batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if new == 1:
         return o.view(n, h, d).to(q.dtype)
     o = o.permute(0, 3, 1, 2, 4).reshape(n * new, h, d)
-    return o[real.flatten()].to(q.dtype)
+    return (o if real is None else o[real.flatten()]).to(q.dtype)
 
 
 def gather_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

@@ -22,7 +22,8 @@ import torch
 
 from common.ops.gdn._common import check_shapes
 from common.ops.gdn.decode_cpu import drop_negligible, l2_normalised
-from common.ops.gdn.replay_cpu import padded, sequence_lengths, walk
+from common.ops.gdn.replay_cpu import sequence_lengths, walk
+from common.ops.padded_block import padded
 
 __all__ = ["chunk_gated_delta_rule"]
 

@@ -18,16 +18,15 @@ was, so padding needs no masking in the rule.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 
 from common.ops.gdn._common import sequence_bounds
 from common.ops.gdn.decode_cpu import drop_negligible, l2_normalised, per_value_head
 from common.ops.gdn.reference import gdn_gating
+from common.ops.padded_block import real_tokens
 
-__all__ = ["CHUNK", "replay", "walk", "padded", "real_tokens", "sequence_lengths"]
+__all__ = ["CHUNK", "replay", "walk", "sequence_lengths"]
 
 # tokens per step of the chunked rule (the reference prefill's): a longer block is walked chunk
 # by chunk, its state stepped between chunks
@@ -43,31 +42,6 @@ def sequence_lengths(cu_seqlens: torch.Tensor, rows: int) -> list[int]:
     they rise from 0 to ``rows``."""
     bounds = sequence_bounds(cu_seqlens, rows)
     return [e - s for s, e in zip(bounds, bounds[1:])]
-
-
-def real_tokens(lens: list[int], device: torch.device) -> torch.Tensor:
-    """Which positions of the padded ``[N, L]`` block (L the longest length) are tokens."""
-    step = torch.arange(max(lens), device=device)
-    return step[None, :] < torch.tensor(lens, device=device)[:, None]
-
-
-def padded(lens: list[int], device: torch.device, starts: list[int] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-    """The padded ``[N, L]`` block of packed sequences (L the longest length): the packed row
-    of each of its tokens ``[N * L]`` (a padding token names row 0) and which are real
-    ``[N, L]``; (None, None) when the packed rows from ``starts[0]`` on are the block already
-    (every sequence of length L, each right after the one before). ``starts``: each
-    sequence's first packed row (default: back to back from row 0)."""
-    length = max(lens)
-    if starts is None:
-        starts = list(itertools.accumulate(lens[:-1], initial=0))
-    if min(lens) == length and starts == list(range(starts[0], starts[0] + len(lens) * length,
-                                                    length)):
-        return None, None
-    real = real_tokens(lens, device)
-    step = torch.arange(length, device=device)
-    first = torch.tensor(starts, device=device)[:, None]
-    return torch.where(real, first + step, 0).flatten(), real
 
 
 def replay(*, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lens: list[int],

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from common.ops.gdn.replay_cpu import CHUNK, padded, replay, sequence_lengths
+from common.ops.gdn.replay_cpu import CHUNK, replay, sequence_lengths
 from common.ops.gdn.verify_reference import check_verify
+from common.ops.padded_block import padded
 
 __all__ = ["gdn_verify"]
 
