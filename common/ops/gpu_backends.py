@@ -10,8 +10,9 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
   temporaries: the GDN decode step on the pool rows in place, the conv1d update with one
   gather and one scatter, the chunked prefill and the DFLASH verify and commit as the chunked
   rule batched over requests, paged and draft attention over the whole batch in one masked
-  matmul (2.4x the reference's speed for a pycoder decode step at batch 16 on one thread, 3.5x with its draft:
-  docs/kernels.md). The reference's numbers to fp32 rounding; the other ops are the reference.
+  matmul (2.4x the reference's speed for a pycoder decode step at batch 16 on one thread,
+  3.5x with its draft: docs/kernels.md). The reference's numbers to fp32 rounding; the other
+  ops are the reference.
 - ``gpu``: the fastest backends measured on H200 (docs/kernel_benchmarks.md): FlashInfer
   chunked GDN prefill (128-dim heads; other head dims and fp32 go to fla), our Triton token
   recurrence (faster than fla's at decode sizes), our Triton conv1d, our Triton steps on the
