@@ -9,9 +9,12 @@ text; each asks for exactly ``--output-len`` tokens, greedy by default. τ (toke
 step) is read from the decode worker's ``spec_accept_length`` histogram around each run.
 
     python -m benchmarks.dflash_serving --model pycoder --draft pycoder \\
-        --data CORPUS/eval.jsonl [--concurrency 1,8,32] [--device cuda] [--out out/x.json]
+        --data CORPUS/eval.jsonl [--concurrency 1,8,32] [--device cuda] [--mps] \\
+        [--out out/x.json]
 
-Prints the table last; ``--out`` gets every figure.
+Prints the table last (throughput, τ, and the TPOT and TTFT medians each way); ``--out`` gets
+every figure. ``--mps`` runs both workers under a CUDA MPS daemon of the run's own: on one GPU
+the two processes' kernels otherwise take turns on it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class ServingConfig:
     temperature: float = 0.0
     device: str = "cpu"
     worker_args: tuple[str, ...] = ()
+    # both workers as clients of a CUDA MPS daemon of the cluster's own: on one GPU their
+    # kernels then run side by side instead of taking turns (router/cluster.py)
+    mps: bool = False
 
 
 def prompt_texts(config: ServingConfig, count: int) -> list[str]:
@@ -69,8 +75,8 @@ def run(config: ServingConfig, *, progress=print) -> list[dict]:
         prompts.write_text("".join(json.dumps({"prompt": t}) + "\n"
                                    for t in prompt_texts(config, count)))
         worker_args = ("--device", config.device, "--draft", config.draft, *config.worker_args)
-        with Cluster(ClusterConfig(model=config.model, worker_args=worker_args,
-                                   metrics=True, start_timeout_s=900)) as cluster:
+        with Cluster(ClusterConfig(model=config.model, worker_args=worker_args, metrics=True,
+                                   start_timeout_s=900, mps=config.mps)) as cluster:
             decode_metrics = [w.metrics_url for w in cluster.workers if w.kind == "decode"]
             rows = []
             for c in config.concurrency:
@@ -105,13 +111,15 @@ def run(config: ServingConfig, *, progress=print) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'concurrency':>11} {'plain tok/s':>12} {'DFLASH tok/s':>13} {'speedup':>8} "
-             f"{'tau':>5} {'TPOT plain ms':>14} {'TPOT DFLASH ms':>15}"]
+             f"{'tau':>5} {'TPOT plain ms':>14} {'TPOT DFLASH ms':>15} {'TTFT plain ms':>14} "
+             f"{'TTFT DFLASH ms':>15}"]
     for r in rows:
         p, d = r["plain"], r["dflash"]
         tau = "-" if d["tau"] is None else f"{d['tau']:.2f}"
         lines.append(f"{r['concurrency']:>11} {p['output_tokens_per_s']:>12.1f} "
                      f"{d['output_tokens_per_s']:>13.1f} {r['speedup']:>8.2f} {tau:>5} "
-                     f"{p['tpot_p50_ms']:>14.1f} {d['tpot_p50_ms']:>15.1f}")
+                     f"{p['tpot_p50_ms']:>14.1f} {d['tpot_p50_ms']:>15.1f} "
+                     f"{p['ttft_p50_ms']:>14.1f} {d['ttft_p50_ms']:>15.1f}")
     return "\n".join(lines)
 
 
@@ -131,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="one more worker flag (repeat it: --worker-arg=--kernels "
                         "--worker-arg=gpu)")
+    p.add_argument("--mps", action="store_true",
+                   help="run both workers under a CUDA MPS daemon of the run's own (one GPU)")
     p.add_argument("--out", default="out/dflash_serving.json")
     args = p.parse_args(argv)
     config = ServingConfig(
@@ -138,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         concurrency=tuple(int(c) for c in args.concurrency.split(",") if c),
         prompts_per_slot=args.prompts_per_slot, prompt_tokens=args.prompt_tokens,
         output_len=args.output_len, temperature=args.temperature, device=args.device,
-        worker_args=tuple(args.worker_arg))
+        worker_args=tuple(args.worker_arg), mps=args.mps)
     rows = run(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

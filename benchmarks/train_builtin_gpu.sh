@@ -26,7 +26,10 @@
 # target stage's kernel compilation off.
 # On a GPU, REGEN_PROMPTS (6144) and REGEN_TOKENS (384) size the draft's regenerated data, and
 # TAU_PROMPTS (64) and TAU_TOKENS (256) the τ benchmark: fewer for a larger target whose stage
-# must fit a time limit. REGEN_TEMPERATURES (0,0.7) are the regeneration's temperatures, prompt
+# must fit a time limit. TARGET_BATCH (64) and DRAFT_BATCH (32) are the training batches in
+# windows of 512 tokens: the larger target at 64 needs more than an 80 GB H100 holds (32 fits,
+# about 49 GB). MPS=1 runs the serve stage's two workers under a CUDA MPS daemon (--mps).
+# REGEN_TEMPERATURES (0,0.7) are the regeneration's temperatures, prompt
 # i continued at the (i mod n)-th.
 # TARGET_DIR=DIR: the regen, draft, tau and serve stages take this target (e.g. the shipped
 # common/model/weights/pycoder, to train a new draft for it) instead of OUT_DIR/pycoder; the
@@ -54,7 +57,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
     DEVICE=cpu TARGET_BATCH=2 DRAFT_BATCH=2 SEQ=64 REGEN_PROMPTS=4 REGEN_TOKENS=32
     TAU_PROMPTS=2 TAU_TOKENS=8 SPEED=1,2 SERVE_TOKENS=8
 else
-    DEVICE=cuda TARGET_BATCH=64 DRAFT_BATCH=32 SEQ=512
+    DEVICE=cuda TARGET_BATCH=${TARGET_BATCH:-64} DRAFT_BATCH=${DRAFT_BATCH:-32} SEQ=512
     REGEN_PROMPTS=${REGEN_PROMPTS:-6144} REGEN_TOKENS=${REGEN_TOKENS:-384}
     TAU_PROMPTS=${TAU_PROMPTS:-64} TAU_TOKENS=${TAU_TOKENS:-256} SPEED=1,8,32 SERVE_TOKENS=256
 fi
@@ -167,9 +170,12 @@ stage_tau() {
 stage_serve() {
     local kernels=()
     if [ "$DEVICE" = cuda ]; then kernels=(--worker-arg=--kernels "--worker-arg=$KERNELS"); fi
+    local mps=()
+    if [ "${MPS:-0}" = 1 ]; then mps=(--mps); fi
     "$PY" -m benchmarks.dflash_serving --model "$TARGET" --draft "$OUT/pycoder-dflash" \
         --data "$OUT/corpus/eval.jsonl" --concurrency "$SPEED" --output-len "$SERVE_TOKENS" \
-        --device "$DEVICE" "${kernels[@]}" --out "$OUT/serve.json" | tee "$OUT/serve.txt"
+        --device "$DEVICE" "${kernels[@]}" "${mps[@]}" --out "$OUT/serve.json" \
+        | tee "$OUT/serve.txt"
 }
 
 preflight

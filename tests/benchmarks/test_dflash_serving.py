@@ -29,4 +29,8 @@ def test_each_concurrency_runs_plain_then_speculative_on_the_same_cluster(held_o
         assert r["speedup"] == pytest.approx(dflash["output_tokens_per_s"]
                                              / plain["output_tokens_per_s"])
     table = format_table(rows)
-    assert table.splitlines()[0].split()[0] == "concurrency" and len(table.splitlines()) == 3
+    header = table.splitlines()[0]
+    assert header.split()[0] == "concurrency" and len(table.splitlines()) == 3
+    # TTFT beside TPOT: a queue in front of one half shows there, not in TPOT
+    assert "TTFT plain ms" in header and "TTFT DFLASH ms" in header
+    assert len(table.splitlines()[1].split()) == 9
