@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/handoff_gpu.sh OUT_DIR [TRANSPORTS] [LENGTHS]
 #
-# TRANSPORTS (auto,stream) are the TTFT run's --transports, LENGTHS (2048,8192,32768) the
+# TRANSPORTS (auto,tcp,stream: every path a cross-host pair can take, and the one-host
+# default) are the TTFT run's --transports, LENGTHS (2048,8192,32768) the
 # prompt lengths of both. Writes OUT_DIR/handoff.json, ttft.json and each run's log.
 # PYTHON picks the interpreter (default: python). Needs the `gpu` extra and a CUDA device;
 # the first run on a machine compiles FlashInfer's kernels (minutes).
@@ -14,7 +15,7 @@
 # check of the script, a minute or two; its figures mean nothing for a GPU host).
 set -euo pipefail
 OUT=${1:?usage: bash benchmarks/handoff_gpu.sh OUT_DIR [TRANSPORTS] [LENGTHS]}
-TRANSPORTS=${2:-auto,stream}
+TRANSPORTS=${2:-auto,tcp,stream}
 LENGTHS=${3:-2048,8192,32768}
 PY=${PYTHON:-python}
 SHAPE=qwen3.5-4b TTFT_ARGS=(--device cuda --mps)
