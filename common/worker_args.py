@@ -46,6 +46,7 @@ def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> Engin
         hold_after_prefill=prefill,
         cuda_graph=cuda_graph_from_args(args),
         overlap_schedule=not args.disable_overlap_schedule,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
     )
 
 

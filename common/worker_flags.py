@@ -97,6 +97,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "format checkpoint directory; on by default for every request when given")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per DFLASH step (default: the draft's own block_size)")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="decode workers: a request that leaves speculation to the server "
+                        "decodes without the draft when it arrives while N requests are "
+                        "already decoding or waiting (default: always speculate)")
     add_kernel_args(p)
     add_tp_arg(p)
     add_cuda_graph_args(p)

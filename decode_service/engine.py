@@ -192,7 +192,7 @@ class DecodeEngine(EngineLoop):
             if not e.abort(key):  # abort frees what the registered request owned
                 self._free_room(res.page_ids, res.slot)
             raise
-        self.metrics.admitted_request()
+        self.metrics.admitted_request(res.has_draft_context)
         self.metrics.tokens_emitted(1)
         self._emit([event])
 

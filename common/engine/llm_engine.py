@@ -5,19 +5,19 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from common.cache.pools import CacheConfig, make_pools  # noqa: F401 - re-exported
-from common.engine.cuda_graph import CudaGraphConfig
+from common.engine.engine_config import EngineConfig  # noqa: F401 - re-exported
 from common.engine.errors import StepFailed, is_device_fault
 from common.engine.graph_policy import decode_graph_runner, graphs_apply
 from common.engine.layer_progress import LayerProgress
 from common.engine.model_runner import ModelRunner
 from common.engine.overlap import InFlight, OverlapDecoder
 from common.engine.request import Request
-from common.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from common.engine.scheduler import ScheduledStep, Scheduler
 from common.engine.speculative import DFlashSpeculator
 from common.engine.step_logprobs import logprobs_per_row
 from common.logprobs import TokenLogprobs, check_asked
@@ -28,23 +28,6 @@ from common.engine.sampler import Sampler, make_generator
 from common.sampling import SamplingParams, stop_reason
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "cpu"
-    # prefill workers: after its first token a request leaves the batch but keeps its cache
-    # until release(), so its state can be handed to a decode worker
-    hold_after_prefill: bool = False
-    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
-    # launch decode step n+1 before reading step n's tokens (docs/cuda_graphs.md); needs the
-    # decode graph runner, so it has no effect where graphs are off
-    overlap_schedule: bool = True
-    # torch's intra-op CPU threads on the thread that steps the engine (None: leave torch's
-    # setting); see ``common.engine.loop.serial_main_thread``
-    cpu_threads: int | None = None
 
 
 @dataclass
@@ -142,8 +125,16 @@ class LLMEngine:
             self.speculator.capture_graphs(progress)
 
     def wants_speculation(self, speculative: bool | None) -> bool:
-        """A request speculates when this engine has a draft, unless it asked not to."""
-        return self.speculator is not None and speculative is not False
+        """Whether a request arriving now speculates: when this engine has a draft, unless it
+        asked not to, or it left the choice to the engine (None) and the engine already holds
+        ``speculative_disable_by_batch_size`` requests. A prefill worker decodes nothing, so
+        its choice (whether to make the draft context) ignores its own load."""
+        if self.speculator is None or speculative is False:
+            return False
+        limit = self.config.speculative_disable_by_batch_size
+        if speculative is None and limit is not None and not self.config.hold_after_prefill:
+            return len(self.requests) < limit
+        return True
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> Request:

@@ -79,10 +79,19 @@ class DecodeMetrics:
                 f"{PREFIX}_spec_accept_length",
                 "Tokens committed per DFLASH step: accepted drafts plus the bonus token.",
                 buckets=accept_length_buckets(block_size), registry=r)
+            self.spec_requests = Counter(
+                f"{PREFIX}_spec_requests",
+                "Handed-off requests admitted, by whether they decode with the draft (yes, "
+                "no: they asked not to, or arrived past --speculative-disable-by-batch-size).",
+                ["speculative"], registry=r)
+            for answer in ("yes", "no"):
+                self.spec_requests.labels(speculative=answer)
 
     # --- engine thread ---
-    def admitted_request(self) -> None:
+    def admitted_request(self, speculative: bool = False) -> None:
         self.admitted.inc()
+        if self.speculative:
+            self.spec_requests.labels(speculative="yes" if speculative else "no").inc()
 
     def tokens_emitted(self, num_tokens: int) -> None:
         """Tokens left the engine (counted once per step: a decode step of a large batch

@@ -150,6 +150,9 @@ def test_up_flags_become_the_cluster_config():
     assert "--tp-cuda-graphs" in graphs.worker_args
     threads = cluster_config_from_args(build_parser().parse_args(["up", "--cpu-threads", "3"]))
     assert threads.worker_args == ("--cpu-threads", "3")  # then no share is added
+    limit = cluster_config_from_args(build_parser().parse_args(
+        ["up", "--draft", "tiny", "--speculative-disable-by-batch-size", "16"]))
+    assert limit.worker_args == ("--draft", "tiny", "--speculative-disable-by-batch-size", "16")
 
 
 def test_mps_cluster_starts_its_workers_as_clients_of_its_own_daemon(tmp_path, monkeypatch):

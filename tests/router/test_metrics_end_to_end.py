@@ -120,6 +120,8 @@ def test_every_endpoint_moves_by_what_was_served(cluster):
     d0, d1 = before["decode"], after["decode"]
     assert delta(d0, d1, f"{D}_requests_total", finish_reason="length") == n
     assert delta(d0, d1, f"{D}_admitted_requests_total") == n
+    assert delta(d0, d1, f"{D}_spec_requests_total", speculative="yes") == n
+    assert delta(d0, d1, f"{D}_spec_requests_total", speculative="no") == 0
     assert delta(d0, d1, f"{D}_generated_tokens_total") == n * new
     assert delta(d0, d1, f"{D}_handoffs_total", status="OK") == n
     assert delta(d0, d1, f"{D}_handoff_time_seconds_count") == n

@@ -66,6 +66,13 @@ def test_tensor_parallel_graphs_are_asked_for_by_a_flag():
     assert config.cuda_graph.tensor_parallel
 
 
+def test_the_speculation_batch_limit_is_a_worker_flag():
+    assert engine_config_from_args(worker_args(), prefill=False) \
+        .speculative_disable_by_batch_size is None
+    args = worker_args("--speculative-disable-by-batch-size", "8")
+    assert engine_config_from_args(args, prefill=False).speculative_disable_by_batch_size == 8
+
+
 def test_a_block_size_reaches_the_speculator():
     built = build_engine(EngineSettings(model="tiny", draft="tiny", block_size=2))
     assert built.engine.speculator.block_size == 2

@@ -83,6 +83,40 @@ def test_mixed_batch_and_stops_inside_accepted_blocks(tiny):
                                                         before["total_slots"])
 
 
+def test_requests_past_the_batch_limit_decode_without_the_draft(tiny):
+    """--speculative-disable-by-batch-size: a request that leaves the choice to the engine
+    speculates only while fewer than the limit are there; one that asks for it gets it; the
+    tokens are the plain engine's either way."""
+    model, draft = tiny
+    prompts = [list(b"first"), list(b"second"), list(b"third"), list(b"fourth")]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    plain = LLMEngine(model, EngineConfig(cache=CACHE))
+    expected = [r.output_ids for r in plain.generate(prompts, greedy)]
+
+    engine = LLMEngine(model, EngineConfig(cache=CACHE, speculative_disable_by_batch_size=2),
+                       draft=draft)
+    reqs = [engine.add_request(prompts[0], greedy), engine.add_request(prompts[1], greedy),
+            engine.add_request(prompts[2], greedy),
+            engine.add_request(prompts[3], dataclasses.replace(greedy, speculative=True))]
+    assert [r.speculative for r in reqs] == [True, True, False, True]
+    while engine.has_work():
+        engine.step()
+    assert [r.output_ids for r in reqs] == expected
+    assert reqs[2].accept_lengths == [] and reqs[0].accept_lengths
+    # once the engine is empty again, a new request speculates
+    assert engine.add_request(prompts[0], greedy).speculative
+
+
+def test_a_prefill_engine_ignores_the_batch_limit(tiny):
+    """A prefill worker decodes nothing: its load says nothing of the decode batch, so it makes
+    the draft context whatever it holds."""
+    model, draft = tiny
+    engine = LLMEngine(model, EngineConfig(cache=CACHE, hold_after_prefill=True,
+                                           speculative_disable_by_batch_size=1), draft=draft)
+    engine.add_request(list(b"held"), SamplingParams(max_new_tokens=4))
+    assert engine.wants_speculation(None) and not engine.wants_speculation(False)
+
+
 # --- sampling: the distribution with speculation equals the distribution without it --------
 
 SMALL_TARGET = {

@@ -53,6 +53,19 @@ def test_dflash_steps_count_drafts_accepted_tokens_and_accept_lengths():
             counters["spec_drafted_tokens"]) == (3, 7, 9)
 
 
+def test_admitted_requests_count_by_whether_they_speculate():
+    m = DecodeMetrics(lambda: LOAD, block_size=4)
+    s = scrape_registry(m.registry)
+    assert s.value(f"{P}_spec_requests_total", speculative="no") == 0  # present from the start
+    m.admitted_request(True)
+    m.admitted_request(False)
+    m.admitted_request(False)
+    s = scrape_registry(m.registry)
+    assert s.value(f"{P}_spec_requests_total", speculative="yes") == 1
+    assert s.value(f"{P}_spec_requests_total", speculative="no") == 2
+    assert s.value(f"{P}_admitted_requests_total") == 3
+
+
 def test_engine_steps_count_steps_and_their_batches():
     m = DecodeMetrics(lambda: LOAD)
     for batch in (1, 3, 3, 16):
