@@ -9,14 +9,16 @@ status.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
 
 from common.model.load import load_model
 from router.cluster import Cluster, ClusterConfig
-from tests.router.test_end_to_end import (CHUNKED, generate_all, local_greedy, wait_all_free,
-                                          worker_load)
+from router.remote import generate, request_to_pb
+from tests.router.test_end_to_end import (CHUNKED, GREEDY, generate_all, local_greedy,
+                                          wait_all_free, worker_load)
 
 PROMPTS = [[5, 17, 200], [(i * 37 + 11) % 256 for i in range(23)], list(range(1, 41))]
 
@@ -76,6 +78,35 @@ def test_tcp_transport_carries_the_draft_context():
     assert all(o.accept_lengths and sum(o.accept_lengths) >= len(o.token_ids) - 1
                for o in outs)
     assert counters["handoffs_over_tcp"] == len(PROMPTS)
+
+
+@pytest.mark.parametrize("transport", ["device", "tcp", "stream"])
+def test_a_decode_worker_past_its_speculation_limit_drops_the_draft_context(transport):
+    """--speculative-disable-by-batch-size 1: while one request decodes, the next ones decode
+    without the draft. The prefill worker still sends their draft context (it cannot know),
+    and the decode worker drops it on every transport: the same tokens, pools full after."""
+    config = ClusterConfig(model="tiny", worker_args=CHUNKED + ("--draft", "tiny"),
+                           prefill_args=("--handoff-transport", transport),
+                           decode_args=("--handoff-transport", transport,
+                                        "--speculative-disable-by-batch-size", "1"))
+    long = replace(GREEDY, max_new_tokens=400)
+
+    async def scenario(cluster):
+        (decode,) = [w for w in cluster.workers if w.kind == "decode"]
+        holder = asyncio.ensure_future(generate(cluster.router_address,
+                                                request_to_pb(token_ids=[7, 8, 9], params=long)))
+        while (await worker_load(decode.address, "decode", cluster.internal_token)).running < 1:
+            await asyncio.sleep(0.01)
+        outs = await generate_all(cluster.router_address, PROMPTS)
+        return await holder, outs
+
+    with Cluster(config) as cluster:
+        holder, outs = asyncio.run(scenario(cluster))
+        reports = asyncio.run(wait_all_free(cluster))
+    assert [o.token_ids for o in outs] == local_greedy(load_model("tiny"), PROMPTS)
+    assert all(not o.accept_lengths for o in outs)  # plain decode steps only
+    assert holder.accept_lengths  # the first one speculated
+    assert all(r.free_pages == r.total_pages and r.free_slots == r.total_slots for r in reports)
 
 
 @pytest.mark.parametrize("prefill,decode,message", [
