@@ -28,7 +28,9 @@
 # TAU_PROMPTS (64) and TAU_TOKENS (256) the τ benchmark: fewer for a larger target whose stage
 # must fit a time limit. TARGET_BATCH (64) and DRAFT_BATCH (32) are the training batches in
 # windows of 512 tokens: the larger target at 64 needs more than an 80 GB H100 holds (32 fits,
-# about 49 GB). MPS=1 runs the serve stage's two workers under a CUDA MPS daemon (--mps).
+# about 49 GB). MPS=1 runs the serve stage's two workers under a CUDA MPS daemon (--mps);
+# SERVE_WORKER_ARGS (space-separated) are more flags for its workers, e.g.
+# "--speculative-disable-by-batch-size 16".
 # REGEN_TEMPERATURES (0,0.7) are the regeneration's temperatures, prompt
 # i continued at the (i mod n)-th.
 # TARGET_DIR=DIR: the regen, draft, tau and serve stages take this target (e.g. the shipped
@@ -172,6 +174,8 @@ stage_serve() {
     if [ "$DEVICE" = cuda ]; then kernels=(--worker-arg=--kernels "--worker-arg=$KERNELS"); fi
     local mps=()
     if [ "${MPS:-0}" = 1 ]; then mps=(--mps); fi
+    local flag
+    for flag in ${SERVE_WORKER_ARGS:-}; do kernels+=("--worker-arg=$flag"); done
     "$PY" -m benchmarks.dflash_serving --model "$TARGET" --draft "$OUT/pycoder-dflash" \
         --data "$OUT/corpus/eval.jsonl" --concurrency "$SPEED" --output-len "$SERVE_TOKENS" \
         --device "$DEVICE" "${kernels[@]}" "${mps[@]}" --out "$OUT/serve.json" \
