@@ -6,7 +6,8 @@ prompt lengths 128..32k, and prints the rate next to a plain in-memory copy of t
 The model itself is not run: the decode side holds real pools and a weightless (meta) model, so
 what is timed is exactly the handoff (chunking, gRPC, checksums, validation, landing in pools).
 
-Each ``--transports`` value is measured: ``stream`` (chunks in the gRPC stream) and ``tcp``
+Each ``--transports`` value is measured: ``stream`` (chunks in the gRPC stream), ``stream+process``
+(the same stream written by a send process, ``prefill_service/send_process.py``) and ``tcp``
 (header and trailer on the stream, chunks on a TCP connection to the service's listener). With
 ``--tls-cert``, ``--tls-key`` and ``--tls-ca`` both ends run mutual TLS, as workers with those
 flags do: the gRPC call and the TCP connections alike.
@@ -138,18 +139,19 @@ def handoff_parts(payload: HandoffPayload, layer_chunks):
     return convert.handoff_part_to_pb(header).SerializeToString(), chunks(), trailer
 
 
-def encoded_parts(payload: HandoffPayload, chunk_bytes: int):
+def encoded_parts(payload: HandoffPayload, chunk_bytes: int, encode=None):
     """``handoff_parts`` with encoded chunk messages of at most ``chunk_bytes`` (the gRPC
-    stream)."""
+    stream), each made by ``encode`` (default: ``encode_chunk``, a new ``bytes``)."""
+    from common.handoff.chunk_codec import encode_chunk
     from prefill_service.state_reader import encode_layer
 
     return handoff_parts(payload, lambda name, layer, data, ledgers: encode_layer(
-        name, layer, 0, data, ledgers, chunk_bytes))
+        name, layer, 0, data, ledgers, chunk_bytes, encode or encode_chunk))
 
 
-def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> Iterator[bytes]:
+def encoded_messages(payload: HandoffPayload, chunk_bytes: int, encode=None) -> Iterator:
     """Every message of the payload's handoff on the stream, made as they are pulled."""
-    header, chunks, trailer = encoded_parts(payload, chunk_bytes)
+    header, chunks, trailer = encoded_parts(payload, chunk_bytes, encode)
     yield header
     yield from chunks
     yield trailer()
@@ -204,13 +206,19 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
     from common.channels import ChannelSecurity, make_channel
     from common.handoff.tcp_frames import tcp_host
     from common.pb.flashsplit.v1 import decode_pb2
-    from prefill_service.handoff_sender import HANDOFF_METHOD, send_handoff
+    from prefill_service.handoff_sender import (CHUNK_PREFIX_BYTES, HANDOFF_METHOD,
+                                                send_handoff)
+    from prefill_service.process_call import SendProcess, SendProcessConfig
     from prefill_service.tcp_connections import TcpConnections
     from common.handoff.tcp_tls import client_context
 
     rows = []
     executor = ThreadPoolExecutor(max_workers=1)
     connections = TcpConnections(None, ssl_context=None if tls is None else client_context(tls))
+    process = (SendProcess(SendProcessConfig(chunk_bytes + CHUNK_PREFIX_BYTES),
+                           ChannelSecurity(tls=tls)) if transport == "stream+process" else None)
+    if process is not None:
+        process.start()  # started before the clock, as a worker starts it
     async with make_channel(address, ChannelSecurity(tls=tls)) as channel:
         handoff = channel.stream_stream(HANDOFF_METHOD, request_serializer=None,
                                         response_deserializer=decode_pb2.HandoffReply.FromString)
@@ -228,6 +236,16 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
                     if transport == "tcp":
                         await send_over_tcp(handoff, payload, connections, tcp_host(address),
                                             executor, tcp_connections)
+                    elif process is not None:  # the send process writes it, as prefill's
+                        call = process.call(address, HANDOFF_METHOD, 600.0,
+                                            decode_pb2.HandoffReply.FromString)
+
+                        class Made:
+                            Handoff = staticmethod(lambda timeout: call)
+
+                        await send_handoff(Made, encoded_messages(payload, chunk_bytes,
+                                                                  call.encode_chunk),
+                                           600.0, executor)
                     else:  # encoded on a thread while the loop writes, as prefill does
                         await send_handoff(Stub, encoded_messages(payload, chunk_bytes),
                                            600.0, executor)
@@ -246,6 +264,8 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
                          "memcpy_s": copy_s, "memcpy_MBps": nbytes / copy_s / 1e6,
                          "slowdown_vs_memcpy": best / copy_s})
     connections.close()
+    if process is not None:
+        process.close()
     return rows
 
 
@@ -285,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transports", default="stream,tcp",
-                   help="comma-separated: stream (chunks in the gRPC stream), tcp (chunks on "
-                        "TCP connections beside it)")
+                   help="comma-separated: stream (chunks in the gRPC stream), stream+process "
+                        "(the same, written by a send process as a GPU prefill worker's are), "
+                        "tcp (chunks on TCP connections beside it)")
     p.add_argument("--tcp-connections", default="1,2",
                    help="comma-separated connection counts per handoff to measure for tcp")
     p.add_argument("--busy-engine", action="store_true",
@@ -352,13 +373,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_rows(rows: list[dict]) -> None:
     busy = any(r.get("busy_engine") for r in rows)
-    print(f"{'shape':<12} {'via':<13} {'prompt':>7} {'MiB':>9} {'handoff ms':>11} {'MB/s':>8} "
+    via = max([13, *(len(r["transport"]) for r in rows)])
+    print(f"{'shape':<12} {'via':<{via}} {'prompt':>7} {'MiB':>9} {'handoff ms':>11} {'MB/s':>8} "
           f"{'memcpy MB/s':>12} {'x memcpy':>9} {'x raw TCP':>9}"
           + (f" {'engine x alone':>15}" if busy else ""))
     for r in rows:
         x_raw = "" if r.get("x_raw_tcp") is None else f"{r['x_raw_tcp']:.2f}"
         engine = "" if r.get("engine_x_alone") is None else f"{r['engine_x_alone']:.2f}"
-        print(f"{r['shape']:<12} {r['transport']:<13} {r['prompt_len']:>7} "
+        print(f"{r['shape']:<12} {r['transport']:<{via}} {r['prompt_len']:>7} "
               f"{r['bytes'] / 2**20:>9.2f} "
               f"{r['handoff_s'] * 1e3:>11.1f} {r['handoff_MBps']:>8.0f} "
               f"{r['memcpy_MBps']:>12.0f} {r['slowdown_vs_memcpy']:>9.1f} {x_raw:>9}"

@@ -6,8 +6,9 @@
 #
 #   bash benchmarks/handoff_gpu.sh OUT_DIR [TRANSPORTS] [LENGTHS]
 #
-# TRANSPORTS (auto,tcp,stream: every path a cross-host pair can take, and the one-host
-# default) are the TTFT run's --transports, LENGTHS (2048,8192,32768) the
+# TRANSPORTS (auto,tcp,stream+process,stream+thread: every path a cross-host pair can take,
+# the one-host default, and the byte stream written by the prefill worker's send process and
+# by its own threads) are the TTFT run's --transports, LENGTHS (2048,8192,32768) the
 # prompt lengths of both. Writes OUT_DIR/handoff.json, ttft.json and each run's log.
 # PYTHON picks the interpreter (default: python). Needs the `gpu` extra and a CUDA device;
 # the first run on a machine compiles FlashInfer's kernels (minutes).
@@ -15,7 +16,7 @@
 # check of the script, a minute or two; its figures mean nothing for a GPU host).
 set -euo pipefail
 OUT=${1:?usage: bash benchmarks/handoff_gpu.sh OUT_DIR [TRANSPORTS] [LENGTHS]}
-TRANSPORTS=${2:-auto,tcp,stream}
+TRANSPORTS=${2:-auto,tcp,stream+process,stream+thread}
 LENGTHS=${3:-2048,8192,32768}
 PY=${PYTHON:-python}
 SHAPE=qwen3.5-4b TTFT_ARGS=(--device cuda --mps)

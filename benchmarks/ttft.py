@@ -123,14 +123,17 @@ def in_process(args, lengths: list[int]) -> dict:
 
 def transport_args(spec: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(both workers' flags, the prefill worker's) of one ``--transports`` entry: a
-    transport, or ``tcp:N`` for ``tcp`` with N connections per handoff; either may end in
+    transport, or ``tcp:N`` for ``tcp`` with N connections per handoff; either may go on with
+    ``+process`` or ``+thread`` (the prefill worker's ``--handoff-sender``) and end in
     ``/late`` (the router's flags: ``router_args``)."""
-    name, _, connections = spec.removesuffix(LATE).partition(":")
+    spec, _, sender = spec.removesuffix(LATE).partition("+")
+    name, _, connections = spec.partition(":")
+    prefill: tuple[str, ...] = ("--handoff-sender", sender) if sender else ()
     if not connections:
-        return ("--handoff-transport", name), ()
+        return ("--handoff-transport", name), prefill
     if name != "tcp" or not connections.isdigit():
         raise ValueError(f"{spec!r}: only tcp takes a connection count (tcp:N)")
-    return ("--handoff-transport", name), ("--handoff-tcp-connections", connections)
+    return ("--handoff-transport", name), ("--handoff-tcp-connections", connections, *prefill)
 
 
 def router_args(spec: str) -> tuple[str, ...]:
@@ -267,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--transports", default="auto,stream",
                    help="--handoff-transport values to measure, each its own cluster; tcp:N "
-                        "is tcp with N connections per handoff")
+                        "is tcp with N connections per handoff, +process or +thread the "
+                        "prefill worker's --handoff-sender (e.g. stream+thread)")
     p.add_argument("--workdir", default="/tmp/flashsplit-bench")
     p.add_argument("--out", default="out/ttft.json")
     p.add_argument("--mps", action="store_true",
@@ -309,11 +313,12 @@ def measure(args) -> int:
               "disaggregated": {t: {str(k): v for k, v in r.items()} for t, r in split.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    head = "".join(f" {t:>11} {'ratio':>6}" for t in transports)
+    width = max([11, *(len(t) for t in transports)])
+    head = "".join(f" {t:>{width}} {'ratio':>6}" for t in transports)
     print(f"\n{'case':<34} {'in process':>11}{head}")
     for name, key in rows:
         a = local[key]
-        cells = "".join(f" {split[t][key] * 1e3:>9.1f}ms {split[t][key] / a:>6.2f}"
+        cells = "".join(f" {split[t][key] * 1e3:>{width - 2}.1f}ms {split[t][key] / a:>6.2f}"
                         for t in transports)
         print(f"{name:<34} {a * 1e3:>9.1f}ms{cells}")
     # where the disaggregated time goes: the workers' own histograms, means over the repeats

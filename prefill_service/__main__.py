@@ -22,7 +22,8 @@ from prefill_service.follower_bands import PrefillFollowerBands
 from prefill_service.band_sender import BandSender
 from prefill_service.leader_bands import PrefillRankStreams
 from prefill_service.engine import PrefillEngine
-from prefill_service.handoff_sender import DEFAULT_CHUNK_BYTES, HandoffSender
+from prefill_service.handoff_sender import (DEFAULT_CHUNK_BYTES, SENDERS, HandoffSender,
+                                            uses_send_process)
 from prefill_service.shared_pools import SharedPools
 from prefill_service.state_reader import ModelLayers, StateReader
 from prefill_service.server import PrefillServicer
@@ -57,7 +58,11 @@ async def serve(args: argparse.Namespace, security: Security) -> int:
         sender = HandoffSender(reader, security=security.internal_channel(),
                                transport=transport, shared=shared,
                                tcp_connections=args.handoff_tcp_connections,
-                               rank_streams=_rank_streams(args, security, transport, group, llm))
+                               rank_streams=_rank_streams(args, security, transport, group, llm),
+                               send_process=uses_send_process(args.handoff_sender, transport,
+                                                              args.device),
+                               send_process_started=engine.metrics.send_process_started)
+        sender.start()
         servicer = PrefillServicer(engine, sender, address, llm.model.config.vocab_size,
                                    llm.eos_token_ids)
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
@@ -98,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_args(parser)
     parser.add_argument("--handoff-chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                         help="largest handoff message payload (default: %(default)s)")
+    parser.add_argument("--handoff-sender", choices=SENDERS, default="auto",
+                        help="who writes the gRPC handoff stream: process (a process of its "
+                             "own, whose copies of the chunks leave this process's forward "
+                             "alone), thread (this process's sender threads), or auto: process "
+                             "for --handoff-transport stream on a GPU (docs/protocol.md) "
+                             "(default: %(default)s)")
     parser.add_argument("--handoff-tcp-connections", type=_connection_count, default=None,
                         metavar="N|auto",
                         help="TCP connections one handoff spreads its chunks over (the tcp "

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -25,6 +26,7 @@ import torch
 from common import convert
 from common.auth import TOKEN_HEADER
 from common.channels import ChannelSecurity, make_channel
+from common.handoff.chunk_codec import encode_chunk
 from common.handoff.tcp_frames import tcp_host
 from common.handoff.tcp_tls import client_context
 from common.handoff.transports import takes_tcp
@@ -37,6 +39,7 @@ from prefill_service.engine import StateReady
 from prefill_service.leader_bands import (LeaderBands, PrefillRankStreams, RankStreamsRefused,
                                           take_plan, unbanded)
 from prefill_service.message_feed import feed_from_thread
+from prefill_service.process_call import SendProcess, SendProcessConfig
 from prefill_service.shared_pools import SharedPools
 from prefill_service.state_reader import PromptShape, StateReader
 from prefill_service.tcp_connections import TcpConnection, TcpConnections, send_chunks
@@ -50,6 +53,21 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 # 1,073 MiB handoffs (8k and 32k tokens of the 4B shape) and slowed 113 MiB ones (2k), whose
 # prefill it slowed more than it sped their bytes (docs/handoff_performance.md, run H)
 SECOND_TCP_CONNECTION_BYTES = 192 << 20
+# room for a chunk message's fields before its data (a send process's slot holds both)
+CHUNK_PREFIX_BYTES = 256
+SENDERS = ("auto", "thread", "process")
+
+
+def uses_send_process(sender: str, transport: str, device: str) -> bool:
+    """Whether a prefill worker's handoff calls go through a send process: ``process``
+    always, ``thread`` never, ``auto`` for the ``stream`` transport on a GPU (where gRPC's
+    copies of the chunks slowed the prefill beside them; on a CPU worker the process would
+    take a core from the forward instead)."""
+    if sender not in SENDERS:
+        raise ValueError(f"unknown handoff sender {sender!r}; expected one of {SENDERS}")
+    if sender == "auto":
+        return transport == "stream" and device.startswith("cuda")
+    return sender == "process"
 
 
 def tcp_connections_for(payload_bytes: int, asked: int | None) -> int:
@@ -110,8 +128,11 @@ class HandoffStream:
     def __init__(self, call, header: HeaderPart, reader: StateReader,
                  executor: ThreadPoolExecutor, *, address: str = "", transport: str = "stream",
                  tcp: TcpConnections | None = None, tcp_connections: int | None = None,
-                 rank_streams: PrefillRankStreams | None = None) -> None:
+                 rank_streams: PrefillRankStreams | None = None,
+                 encode: Callable = encode_chunk, by_send_process: bool = False) -> None:
         self._call = call
+        self._encode = encode  # makes each chunk message the call writes
+        self.by_send_process = by_send_process  # the call is the send process's
         self.header = header
         self._reader = reader
         self._executor = executor
@@ -255,7 +276,8 @@ class HandoffStream:
 
         def produce():
             # in the order the forward writes them (each piece after its own layer's event)
-            return self._reader.read(ready, ranges, states, self._prompt, self._ledgers)
+            return self._reader.read(ready, ranges, states, self._prompt, self._ledgers,
+                                     self._encode)
 
         async with contextlib.aclosing(feed_from_thread(self._executor, produce)) as messages:
             async for message in messages:
@@ -340,12 +362,16 @@ class HandoffStream:
 
 class HandoffSender:
     """One cached channel per decode address; every call has a deadline and ``security``'s
-    token (and TLS). Messages are written pre-encoded (``common/handoff/chunk_codec.py``)."""
+    token (and TLS). Messages are written pre-encoded (``common/handoff/chunk_codec.py``).
+    With a ``send_process`` the calls are made there (``prefill_service/send_process.py``):
+    gRPC's copy of each chunk then holds that process's GIL, not this one's."""
 
     def __init__(self, reader: StateReader, *, timeout_s: float = 120.0,
                  security: ChannelSecurity = ChannelSecurity(), transport: str = "stream",
                  shared: SharedPools | None = None, tcp_connections: int | None = None,
-                 rank_streams: PrefillRankStreams | None = None) -> None:
+                 rank_streams: PrefillRankStreams | None = None,
+                 send_process: bool = False,
+                 send_process_started: Callable[[], None] = lambda: None) -> None:
         if tcp_connections is not None and tcp_connections < 1:
             raise ValueError(f"--handoff-tcp-connections must be >= 1, got {tcp_connections}")
         if transport == "device" and shared is None:
@@ -357,6 +383,10 @@ class HandoffSender:
         self.timeout_s = timeout_s
         self.tcp_connections = tcp_connections
         self.rank_streams = rank_streams  # None: handoffs never take per-rank streams
+        # made here, started on the first handoff (or by ``start``)
+        self.send_process = (SendProcess(SendProcessConfig(
+            reader.chunk_bytes + CHUNK_PREFIX_BYTES), security, send_process_started)
+            if send_process else None)
         self._channels: dict[str, grpc.aio.Channel] = {}
         # chunks over TCP carry the same token as the calls, and TLS where the calls have it
         self.tcp = (TcpConnections(dict(security.metadata).get(TOKEN_HEADER),
@@ -369,27 +399,41 @@ class HandoffSender:
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="handoff-sender",
                                             initializer=torch.set_num_threads, initargs=(1,))
 
+    def start(self) -> None:
+        """Starts the send process, if any (on the event loop), before the first handoff."""
+        if self.send_process is not None:
+            self.send_process.start()
+
     def stream(self, address: str, header: HeaderPart) -> HandoffStream:
         """A handoff to ``address``, not yet opened."""
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = make_channel(address, self.security)
-            self._channels[address] = channel
-        handoff = channel.stream_stream(HANDOFF_METHOD, request_serializer=None,
-                                        response_deserializer=decode_pb2.HandoffReply.FromString)
+        reply = decode_pb2.HandoffReply.FromString
+        encode: Callable = encode_chunk
+        if self.send_process is not None:
+            call = self.send_process.call(address, HANDOFF_METHOD, self.timeout_s, reply)
+            encode = call.encode_chunk
+        else:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = make_channel(address, self.security)
+                self._channels[address] = channel
+            call = channel.stream_stream(HANDOFF_METHOD, request_serializer=None,
+                                         response_deserializer=reply)(timeout=self.timeout_s)
         if self.shared is not None:  # offer our pools: a receiver on this host copies them
             header = dataclasses.replace(header, source_pools=self.shared.handles_for(address))
         if self.rank_streams is not None:  # offer each rank's heads on streams of their own
             header = dataclasses.replace(header, rank_streams=self.rank_streams.tp_size)
-        return HandoffStream(handoff(timeout=self.timeout_s), header, self.reader,
-                             self._executor, address=address, transport=self.transport,
-                             tcp=self.tcp, tcp_connections=self.tcp_connections,
-                             rank_streams=self.rank_streams)
+        return HandoffStream(call, header, self.reader, self._executor, address=address,
+                             transport=self.transport, tcp=self.tcp,
+                             tcp_connections=self.tcp_connections,
+                             rank_streams=self.rank_streams, encode=encode,
+                             by_send_process=self.send_process is not None)
 
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        if self.send_process is not None:
+            self.send_process.close()
         if self.tcp is not None:
             self.tcp.close()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -132,7 +132,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await self._handoff_failed(exc, decode_address, context)
             handoff_s = time.perf_counter() - prefilled
             self.metrics.handoff_sent(handoff.bytes_sent, handoff_s, handoff.pool_copies,
-                                      handoff.over_tcp, handoff.rank_plan is not None)
+                                      handoff.over_tcp, handoff.rank_plan is not None,
+                                      handoff.by_send_process)
             log.info("handoff %016x to %s: %d prompt tokens, %d bytes, acknowledged %.3f s "
                      "after the first token, %s", job.handoff_id, decode_address,
                      job.spec.prompt_len, handoff.bytes_sent, handoff_s, _path(handoff))
@@ -240,4 +241,6 @@ def _path(handoff) -> str:
     plan = handoff.rank_plan
     if plan is not None:
         return f"over per-rank streams ({plan.src_tp} -> {plan.dst_tp} ranks)"
+    if handoff.by_send_process:
+        return "through this worker's rank 0, written by its send process"
     return "through this worker's rank 0"

@@ -93,17 +93,19 @@ class StateReader:
 
     def read(self, ready: StateReady, page_ranges: list[tuple[str, int, int]], states: bool,
              prompt: PromptShape,
-             ledgers: dict[tuple[str, int], LayerLedger]) -> Iterator[bytes]:
+             ledgers: dict[tuple[str, int], LayerLedger],
+             encode: Callable = encode_chunk) -> Iterator:
         """Chunks of ``page_ranges`` (``(field, start page, end page)``) and, with ``states``,
         of the GDN conv and recurrent state, in the order the forward writes them: each piece
         after the model layer that wrote it, the draft's context (written after the whole
         forward) last. So within a prompt's last chunk each GDN layer's state goes while the
         later layers run, instead of after the last attention layer's KV, and only the last
-        layer's data is left when the forward ends."""
+        layer's data is left when the forward ends. ``encode(field, layer, offset, data)``
+        makes each message (``encode_chunk``: a new ``bytes``)."""
         for piece, host, _ in self._to_host(self._pieces(ready, page_ranges, states, prompt)):
             for offset, data in self._byte_runs(piece, host, prompt):
                 yield from encode_layer(piece.field, piece.layer, offset, data, ledgers,
-                                        self.chunk_bytes)
+                                        self.chunk_bytes, encode)
 
     def frames(self, ready: StateReady, page_ranges: list[tuple[str, int, int]], states: bool,
                prompt: PromptShape,
@@ -387,11 +389,12 @@ def checked_runs(name: str, layer: int, offset: int, data: memoryview,
 
 
 def encode_layer(name: str, layer: int, offset: int, data: memoryview,
-                 ledgers: dict[tuple[str, int], LayerLedger], chunk_bytes: int) -> Iterator[bytes]:
+                 ledgers: dict[tuple[str, int], LayerLedger], chunk_bytes: int,
+                 encode: Callable = encode_chunk) -> Iterator:
     """``data`` (bytes ``offset..`` of one layer of ``name``) as encoded chunk messages of at
-    most ``chunk_bytes``, each recorded in its layer's checksum ledger."""
+    most ``chunk_bytes`` (made by ``encode``), each recorded in its layer's checksum ledger."""
     for at, piece in checked_runs(name, layer, offset, data, ledgers, chunk_bytes):
-        yield encode_chunk(name, layer, at, piece)
+        yield encode(name, layer, at, piece)
 
 
 def frame_layer(name: str, layer: int, offset: int, data: memoryview,

@@ -84,6 +84,25 @@ def encode_chunk(field: str, layer: int, offset: int, data) -> bytes:
     return _joined_without_gil(prefix, view)
 
 
+def encode_chunk_into(out, field: str, layer: int, offset: int, data) -> int:
+    """``encode_chunk``'s message written into the start of ``out`` (a writable buffer, e.g.
+    a shared memory slot) instead of a new ``bytes``; returns its length. The data's copy
+    runs in numpy, which releases the GIL."""
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("chunk data must be a C-contiguous buffer")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    prefix = chunk_prefix(field, layer, offset, view.nbytes)
+    nbytes = len(prefix) + view.nbytes
+    room = np.frombuffer(out, dtype=np.uint8)
+    if nbytes > room.size:
+        raise ValueError(f"a chunk message of {nbytes} bytes does not fit {room.size}")
+    room[:len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+    np.copyto(room[len(prefix):nbytes], np.frombuffer(view, dtype=np.uint8))
+    return nbytes
+
+
 # ``bytes.join`` holds the GIL while it copies a memoryview (CPython drops it only when every
 # part is ``bytes``): a 4 MiB chunk kept the prefill worker's engine thread from launching
 # kernels for about 0.4 ms. Above this size the copy runs in numpy, which releases the GIL.
@@ -94,6 +113,16 @@ _new_bytes.restype = ctypes.py_object
 _bytes_address = ctypes.pythonapi.PyBytes_AsString
 _bytes_address.argtypes = (ctypes.py_object,)
 _bytes_address.restype = ctypes.c_void_p
+
+
+def bytes_without_gil(data) -> bytes:
+    """``bytes(data)`` for a C-contiguous buffer, copied with the GIL released when large."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    if view.nbytes < _FILL_WITHOUT_GIL_BYTES:
+        return bytes(view)
+    return _joined_without_gil(b"", view)
 
 
 def _joined_without_gil(prefix: bytes, view: memoryview) -> bytes:

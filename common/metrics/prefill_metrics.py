@@ -53,6 +53,14 @@ class PrefillMetrics:
             f"{PREFIX}_handoff_rank_streams",
             "Handoffs whose state went over per-rank streams, each rank sending its own heads "
             "(tensor parallelism).", registry=r)
+        self.handoff_send_process = Counter(
+            f"{PREFIX}_handoff_send_process",
+            "Handoffs whose call the worker's send process wrote (--handoff-sender).",
+            registry=r)
+        self.send_process_starts = Counter(
+            f"{PREFIX}_send_process_starts",
+            "Starts of the worker's send process: more than one means it died and was started "
+            "again.", registry=r)
         self.handoff_time = Histogram(
             f"{PREFIX}_handoff_time_seconds",
             "From a prompt's first token to the decode worker's acknowledgement: the part of "
@@ -86,7 +94,8 @@ class PrefillMetrics:
         self.requests.labels(status=status).inc()
 
     def handoff_sent(self, num_bytes: int, seconds: float, pool_copies: bool,
-                     over_tcp: bool = False, rank_streams: bool = False) -> None:
+                     over_tcp: bool = False, rank_streams: bool = False,
+                     send_process: bool = False) -> None:
         self.handoffs.labels(result="sent").inc()
         self.handoff_bytes.observe(num_bytes)
         self.handoff_time.observe(seconds)
@@ -96,6 +105,11 @@ class PrefillMetrics:
             self.handoff_tcp.inc()
         if rank_streams:
             self.handoff_rank_streams.inc()
+        if send_process:
+            self.handoff_send_process.inc()
+
+    def send_process_started(self) -> None:
+        self.send_process_starts.inc()
 
     def handoff_failed(self) -> None:
         self.handoffs.labels(result="failed").inc()
@@ -117,4 +131,8 @@ class PrefillMetrics:
             "handoffs_over_tcp": sample_total(self.handoff_tcp, f"{PREFIX}_handoff_tcp_total"),
             "handoffs_over_rank_streams": sample_total(
                 self.handoff_rank_streams, f"{PREFIX}_handoff_rank_streams_total"),
+            "handoffs_by_send_process": sample_total(
+                self.handoff_send_process, f"{PREFIX}_handoff_send_process_total"),
+            "send_process_starts": sample_total(
+                self.send_process_starts, f"{PREFIX}_send_process_starts_total"),
         }

@@ -40,6 +40,10 @@ def test_in_process_and_split_give_the_same_first_tokens_and_every_case_a_time(t
     ("auto", ("--handoff-transport", "auto"), (), ()),
     ("tcp:2/late", ("--handoff-transport", "tcp"), ("--handoff-tcp-connections", "2"),
      ("--first-token-after-handoff",)),
+    ("stream+thread", ("--handoff-transport", "stream"), ("--handoff-sender", "thread"), ()),
+    ("tcp:1+process/late", ("--handoff-transport", "tcp"),
+     ("--handoff-tcp-connections", "1", "--handoff-sender", "process"),
+     ("--first-token-after-handoff",)),
 ])
 def test_a_transports_entry_gives_each_process_its_flags(spec, workers, prefill, router):
     assert transport_args(spec) == (workers, prefill) and router_args(spec) == router

@@ -9,6 +9,7 @@ the prefill worker dies mid-stream, the decode worker dies mid-stream. Real proc
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -26,7 +27,11 @@ ARGS = ("--page-size", str(PAGE), "--num-pages", "1024", "--max-prefill-tokens",
 
 
 def config(transport: str) -> ClusterConfig:
-    return ClusterConfig(model="tiny", worker_args=ARGS + ("--handoff-transport", transport),
+    """``transport``, or ``stream+process``: the stream written by the prefill worker's send
+    process (prefill_service/send_process.py)."""
+    name, _, sender = transport.partition("+")
+    return ClusterConfig(model="tiny", worker_args=ARGS + ("--handoff-transport", name),
+                         prefill_args=("--handoff-sender", sender or "thread"),
                          router_args=("--poll-interval", "0.2"))
 
 
@@ -62,7 +67,7 @@ def start_long(cluster) -> asyncio.Future:
         timeout_s=60))
 
 
-@pytest.mark.parametrize("transport", ["stream", "tcp", "device"])
+@pytest.mark.parametrize("transport", ["stream", "stream+process", "tcp", "device"])
 def test_a_client_that_gives_up_mid_prefill_frees_both_workers(transport):
     with Cluster(config(transport)) as cluster:
         async def scenario():
@@ -91,7 +96,7 @@ def kill_mid_stream(cluster, kind: str) -> None:
     assert isinstance(result, grpc.aio.AioRpcError)
 
 
-@pytest.mark.parametrize("transport", ["stream", "tcp", "device"])
+@pytest.mark.parametrize("transport", ["stream", "stream+process", "tcp", "device"])
 def test_a_prefill_worker_that_dies_mid_stream_leaves_nothing_on_decode(transport):
     with Cluster(config(transport)) as cluster:
         kill_mid_stream(cluster, "prefill")
@@ -99,7 +104,7 @@ def test_a_prefill_worker_that_dies_mid_stream_leaves_nothing_on_decode(transpor
         assert (r.free_pages, r.free_slots) == (r.total_pages, r.total_slots)
 
 
-@pytest.mark.parametrize("transport", ["stream", "tcp"])
+@pytest.mark.parametrize("transport", ["stream", "stream+process", "tcp"])
 def test_a_decode_worker_that_dies_mid_stream_stops_and_frees_the_prefill(transport):
     with Cluster(config(transport)) as cluster:
         kill_mid_stream(cluster, "decode")
@@ -108,3 +113,39 @@ def test_a_decode_worker_that_dies_mid_stream_stops_and_frees_the_prefill(transp
         # stopped (by its broken stream, or by the router's abort once decode's token stream
         # broke), not run to the end
         assert r.counters["handoffs_sent"] == 0
+
+
+def children_of(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_a_send_process_that_dies_mid_stream_fails_the_request_and_frees_both_workers():
+    """The prefill worker's send process killed while it writes a handoff: that request fails,
+    neither worker holds anything, and the next request goes through a new send process."""
+    with Cluster(config("stream+process")) as cluster:
+        (sender,) = children_of(worker(cluster, "prefill").pid)
+
+        async def scenario():
+            call = start_long(cluster)
+            await asyncio.to_thread(wait_reserved, cluster)
+            os.kill(sender, signal.SIGKILL)
+            return await asyncio.gather(call, return_exceptions=True)
+
+        (result,) = asyncio.run(scenario())
+        assert isinstance(result, grpc.aio.AioRpcError)
+        assert "send process exited" in result.details(), result.details()
+        for kind in ("prefill", "decode"):
+            r = wait_free(cluster, kind)
+            assert (r.free_pages, r.free_slots) == (r.total_pages, r.total_slots), kind
+        # the router took the prefill worker out for its UNAVAILABLE answer until its next
+        # poll (0.2 s) finds it serving
+        time.sleep(1.0)
+        done = asyncio.run(generate(cluster.router_address,
+                                    request_to_pb(token_ids=LONG_PROMPT[:40], params=PARAMS),
+                                    timeout_s=60))
+        assert len(done.token_ids) == PARAMS.max_new_tokens
+        (again,) = children_of(worker(cluster, "prefill").pid)
+        assert again != sender
+        counters = load(cluster, "prefill").counters
+        assert counters["send_process_starts"] == 2 and counters["handoffs_by_send_process"] == 1

@@ -24,9 +24,13 @@ PROMPTS = [[5, 17, 200], [(i * 37 + 11) % 256 for i in range(23)], list(range(1,
 
 
 def run(prefill: str, decode: str, draft: bool = False):
+    """``prefill`` is a transport, or ``stream+process`` for the stream written by the prefill
+    worker's send process."""
     extra = ("--draft", "tiny") if draft else ()
+    prefill, _, sender = prefill.partition("+")
     config = ClusterConfig(model="tiny", worker_args=CHUNKED + extra,
-                           prefill_args=("--handoff-transport", prefill),
+                           prefill_args=("--handoff-transport", prefill,
+                                         "--handoff-sender", sender or "auto"),
                            decode_args=("--handoff-transport", decode))
     with Cluster(config) as cluster:
         outs = asyncio.run(generate_all(cluster.router_address, PROMPTS))
@@ -51,11 +55,16 @@ def run(prefill: str, decode: str, draft: bool = False):
     ("tcp", "auto", "tcp"),       # the sender offers no pools
     ("auto", "stream", "stream"),  # the receiver takes bytes on the stream only
     ("stream", "auto", "stream"),  # the sender offers neither
+    ("stream+process", "auto", "stream"),  # its send process writes the stream
 ])
 def test_transports_give_the_same_tokens(prefill, decode, path):
     outs, counters = run(prefill, decode)
     assert [o.token_ids for o in outs] == local_greedy(load_model("tiny"), PROMPTS)
     assert counters["handoffs_sent"] == len(PROMPTS)
+    # on the CPU only --handoff-sender process starts one
+    by_process = prefill.endswith("+process")
+    assert counters["handoffs_by_send_process"] == (len(PROMPTS) if by_process else 0)
+    assert counters["send_process_starts"] == int(by_process)
     assert counters["handoffs_as_pool_copies"] == (len(PROMPTS) if path == "copies" else 0)
     assert counters["handoffs_over_tcp"] == (len(PROMPTS) if path == "tcp" else 0)
     # copies move no payload bytes
@@ -78,6 +87,15 @@ def test_tcp_transport_carries_the_draft_context():
     assert all(o.accept_lengths and sum(o.accept_lengths) >= len(o.token_ids) - 1
                for o in outs)
     assert counters["handoffs_over_tcp"] == len(PROMPTS)
+
+
+def test_the_send_process_carries_the_draft_context():
+    outs, counters = run("stream+process", "stream", draft=True)
+    assert [o.token_ids for o in outs] == local_greedy(load_model("tiny"), PROMPTS)
+    assert all(o.accept_lengths and sum(o.accept_lengths) >= len(o.token_ids) - 1
+               for o in outs)
+    assert counters["handoffs_sent"] == len(PROMPTS) and counters["handoff_bytes"] > 10_000
+    assert counters["handoffs_by_send_process"] == len(PROMPTS)
 
 
 @pytest.mark.parametrize("transport", ["device", "tcp", "stream"])

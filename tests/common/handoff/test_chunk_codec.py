@@ -10,7 +10,8 @@ import pytest
 import torch
 from google.protobuf.message import DecodeError
 
-from common.handoff.chunk_codec import chunk_prefix, decode_chunk, encode_chunk
+from common.handoff.chunk_codec import (chunk_prefix, decode_chunk, encode_chunk,
+                                        encode_chunk_into)
 from common.pb.flashsplit.v1 import decode_pb2 as pb
 from tests.common.handoff.gil_probe import counter_moves
 
@@ -56,6 +57,25 @@ def test_a_large_chunk_is_encoded_with_the_gil_released():
     moved = counter_moves(lambda: encoded.append(encode_chunk("kv", 1, 0, data)))
     assert min(moved) > 1000, moved  # bytes.join over a memoryview held it: 0
     assert decode_chunk(encoded[-1]).data == data
+
+
+def test_encoding_into_a_buffer_writes_the_same_message():
+    data = np.random.default_rng(1).integers(0, 256, 5000, dtype=np.uint8)
+    out = np.full(6000, 7, dtype=np.uint8)
+    n = encode_chunk_into(out, "dflash_context", 3, 1 << 40, data)
+    assert bytes(out[:n]) == encode_chunk("dflash_context", 3, 1 << 40, data)
+    assert (out[n:] == 7).all()  # nothing past the message
+    with pytest.raises(ValueError, match="does not fit"):
+        encode_chunk_into(np.empty(5000, dtype=np.uint8), "kv", 0, 0, data)
+    with pytest.raises(ValueError, match="contiguous"):
+        encode_chunk_into(out, "kv", 0, 0, data.reshape(50, 100)[:, 1])
+
+
+def test_a_large_chunk_is_encoded_into_a_buffer_with_the_gil_released():
+    data = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
+    out = np.empty(data.nbytes + 64, dtype=np.uint8)
+    moved = counter_moves(lambda: encode_chunk_into(out, "kv", 1, 0, data))
+    assert min(moved) > 1000, moved
 
 
 def test_decoded_data_lands_in_place():
