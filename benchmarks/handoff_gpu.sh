@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What the handoff costs on one GPU host, in one command: the byte rates of whole handoffs
-# against raw TCP loopback (benchmarks/handoff.py), then time to first token and 16 concurrent
-# prompts in process against the split, both workers on the one GPU under an MPS daemon of
-# the run's own (benchmarks/ttft.py --mps); both tables last.
+# (stream, stream+process, tcp) against raw TCP loopback (benchmarks/handoff.py), then time
+# to first token and 16 concurrent prompts in process against the split, both workers on the
+# one GPU under an MPS daemon of the run's own (benchmarks/ttft.py --mps); both tables last.
 #
 #   bash benchmarks/handoff_gpu.sh OUT_DIR [TRANSPORTS] [LENGTHS]
 #
@@ -30,7 +30,8 @@ OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 
 "$PY" -m benchmarks.handoff --shapes "$SHAPE" --lengths "$LENGTHS" --repeats 3 \
-    --transports stream,tcp --tcp-connections 1 --raw-tcp-only --out "$OUT/handoff.json" \
+    --transports stream,stream+process,tcp --tcp-connections 1 --raw-tcp-only \
+    --out "$OUT/handoff.json" \
     > "$OUT/handoff.log" 2>&1
 "$PY" -m benchmarks.ttft "${TTFT_ARGS[@]}" --repeats 2 --lengths "$LENGTHS" \
     --transports "$TRANSPORTS" --out "$OUT/ttft.json" > "$OUT/ttft.log" 2>&1
