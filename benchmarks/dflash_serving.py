@@ -7,6 +7,8 @@ both halves run on the same processes and device, seconds apart). Prompts are ev
 windows of ``--prompt-tokens`` tokens of held-out text (the corpus's ``eval.jsonl``), sent as
 text; each asks for exactly ``--output-len`` tokens, greedy by default. τ (tokens per DFLASH
 step) is read from the decode worker's ``spec_accept_length`` histogram around each run.
+Before each concurrency's runs, one unmeasured wave of that many short requests goes each way,
+so that a batch size's first use (which may compile a kernel variant) is in neither.
 
     python -m benchmarks.dflash_serving --model pycoder --draft pycoder \\
         --data CORPUS/eval.jsonl [--concurrency 1,8,32] [--device cuda] [--mps] \\
@@ -34,6 +36,8 @@ from router.bench.runner import run_bench
 from router.cluster import Cluster, ClusterConfig
 
 ACCEPT_LENGTH = "flashsplit_decode_spec_accept_length"
+# output tokens of each warm-up request (a wave of as many as are in flight, each way)
+WARM_UP_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -81,15 +85,23 @@ def run(config: ServingConfig, *, progress=print) -> list[dict]:
             rows = []
             for c in config.concurrency:
                 row: dict = {"concurrency": c, "requests": config.prompts_per_slot * c}
+
+                def bench(speculative: bool, requests: int, output_len: int) -> BenchConfig:
+                    return BenchConfig(
+                        backend="grpc", url=cluster.router_address, loads=(Load(concurrency=c),),
+                        num_prompts=requests, prompts_file=str(prompts),
+                        output_len=LengthDist(output_len, output_len),
+                        temperature=config.temperature, speculative=speculative, warmup=0,
+                        json_path=None, plot_path=None, progress=False)
+
+                # one unmeasured wave of c requests each way first: a batch size's first use
+                # may compile a kernel variant (seconds), which would land in one arm only
+                for speculative in (False, True):
+                    asyncio.run(run_bench(bench(speculative, c, WARM_UP_TOKENS)))
                 for name, speculative in (("plain", False), ("dflash", True)):
                     before = read_histograms(decode_metrics).get(ACCEPT_LENGTH, (0.0, 0.0))
-                    bench = BenchConfig(
-                        backend="grpc", url=cluster.router_address, loads=(Load(concurrency=c),),
-                        num_prompts=row["requests"], prompts_file=str(prompts),
-                        output_len=LengthDist(config.output_len, config.output_len),
-                        temperature=config.temperature, speculative=speculative, warmup=1,
-                        json_path=None, plot_path=None, progress=False)
-                    (point,) = asyncio.run(run_bench(bench)).points
+                    (point,) = asyncio.run(run_bench(bench(speculative, row["requests"],
+                                                           config.output_len))).points
                     after = read_histograms(decode_metrics).get(ACCEPT_LENGTH, (0.0, 0.0))
                     s = point.summary
                     if s.failed:
@@ -99,7 +111,6 @@ def run(config: ServingConfig, *, progress=print) -> list[dict]:
                     row[name] = {"output_tokens_per_s": s.output_throughput,
                                  "tpot_p50_ms": s.tpot.p50, "ttft_p50_ms": s.ttft.p50,
                                  "output_tokens": s.output_tokens,
-                                 # the warm-up request's steps are in the difference too
                                  "tau": (after[0] - before[0]) / steps if steps else None}
                     progress(f"concurrency {c}, {name}: {s.output_throughput:.1f} output "
                              f"tokens/s, TPOT p50 {s.tpot.p50:.1f} ms")

@@ -53,6 +53,21 @@ def step_seed(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position * 7_919 + 1) % (1 << 63)
 
 
+def warmup_groups(room: int, sm_count: int | None) -> list[tuple[int, int]]:
+    """The warm-up's prefill batches as ``(first, end)`` request indices: one prompt alone,
+    then up to 8 together, then (on a GPU of ``sm_count`` SMs) up to as many as it has SMs,
+    which crosses FlashInfer's line (sequences x heads at half the SMs) for any head count: a
+    target of 8 value heads stayed below it at 8 sequences, and the first burst of 32
+    requests after start waited about 2 s for that kernel's compilation. ``room``: how many
+    requests the engine can hold at once."""
+    sizes = [min(8, room)] + ([min(sm_count, room)] if sm_count else [])
+    groups = [(0, 1)]
+    for size in sizes:
+        if size > groups[-1][1]:
+            groups.append((groups[-1][1], size))
+    return groups
+
+
 class LLMEngine:
     """Continuous batching over a model and its pools. Not thread-safe: one caller at a time."""
 
@@ -361,16 +376,19 @@ class LLMEngine:
         # its context-parallel kernel once sequences x heads reach half the SMs). A variant's
         # first use compiles it on the engine thread, holding the GIL for seconds (a served
         # request's and the worker's load reports would wait), so each must happen here
-        count = max(1, min(8, self.state_pool.allocator.num_free,
-                           self.config.scheduler.max_running_requests))
-        keys = [f"__warmup__{i}" for i in range(count)]
+        room = min(self.state_pool.allocator.num_free,
+                   self.config.scheduler.max_running_requests)
+        device = torch.device(self.config.device)
+        groups = warmup_groups(room, torch.cuda.get_device_properties(device).multi_processor_count
+                               if device.type == "cuda" else None)
+        keys = [f"__warmup__{i}" for i in range(groups[-1][1])]
         held: set[str] = set()
 
         def step_while(busy) -> None:
             while busy() and self.has_work():
                 held.update(e.request_id for e in self.step() if e.held)
 
-        for first, end in ((0, 1), (1, count)):
+        for first, end in groups:
             for i in range(first, end):
                 self.add_request(list(range(1, 9 - i % 4)), params, request_id=keys[i])
             # this group's prefill is over once each has its first token (held or not)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine, warmup_groups
 from common.model.load import load_model
 from common.sampling import SamplingParams
 
@@ -141,6 +141,17 @@ def test_a_prefilled_request_continues_as_if_it_never_moved(model):
         tokens += [e.token_id for e in decode.step() if e.request_id == "r"]
     assert tokens == whole.output_ids
     assert "r" not in decode.requests and free_counts(decode) == before
+
+
+@pytest.mark.parametrize("room,sms,groups", [
+    (5, None, [(0, 1), (1, 5)]),              # the CPU: one alone, then the rest
+    (256, None, [(0, 1), (1, 8)]),
+    (256, 132, [(0, 1), (1, 8), (8, 132)]),   # a GPU: then as many as it has SMs
+    (40, 132, [(0, 1), (1, 8), (8, 40)]),     # no more than the engine holds
+    (1, 132, [(0, 1)]),
+])
+def test_warmup_batches_cross_the_kernels_lines(room, sms, groups):
+    assert warmup_groups(room, sms) == groups
 
 
 @pytest.mark.parametrize("hold", [False, True], ids=["local", "prefill worker"])
