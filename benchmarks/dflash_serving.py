@@ -55,6 +55,8 @@ class ServingConfig:
     # both workers as clients of a CUDA MPS daemon of the cluster's own: on one GPU their
     # kernels then run side by side instead of taking turns (router/cluster.py)
     mps: bool = False
+    # an unmeasured wave of each concurrency's size, each way, before its runs
+    warm_up_wave: bool = True
 
 
 def prompt_texts(config: ServingConfig, count: int) -> list[str]:
@@ -96,7 +98,7 @@ def run(config: ServingConfig, *, progress=print) -> list[dict]:
 
                 # one unmeasured wave of c requests each way first: a batch size's first use
                 # may compile a kernel variant (seconds), which would land in one arm only
-                for speculative in (False, True):
+                for speculative in (False, True) if config.warm_up_wave else ():
                     asyncio.run(run_bench(bench(speculative, c, WARM_UP_TOKENS)))
                 for name, speculative in (("plain", False), ("dflash", True)):
                     before = read_histograms(decode_metrics).get(ACCEPT_LENGTH, (0.0, 0.0))
@@ -150,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="one more worker flag (repeat it: --worker-arg=--kernels "
                         "--worker-arg=gpu)")
+    p.add_argument("--no-warm-up-wave", action="store_true",
+                   help="measure without the unmeasured wave before each concurrency (a first "
+                        "burst's cost, e.g. kernels that compile on first use, shows)")
     p.add_argument("--mps", action="store_true",
                    help="run both workers under a CUDA MPS daemon of the run's own (one GPU)")
     p.add_argument("--out", default="out/dflash_serving.json")
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         concurrency=tuple(int(c) for c in args.concurrency.split(",") if c),
         prompts_per_slot=args.prompts_per_slot, prompt_tokens=args.prompt_tokens,
         output_len=args.output_len, temperature=args.temperature, device=args.device,
-        worker_args=tuple(args.worker_arg), mps=args.mps)
+        worker_args=tuple(args.worker_arg), mps=args.mps,
+        warm_up_wave=not args.no_warm_up_wave)
     rows = run(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
