@@ -117,12 +117,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     ranks = self.rank_streams
                     if source is None and ranks is not None and ranks.takes(part.rank_streams):
                         rank_ticket = ranks.new_ticket()
-                    assembler.start(part, await self._reserve(part, source, rank_ticket),
-                                    pool_copies=source is not None,
+                    room = await self._reserve(part, source, rank_ticket)
+                    # a request decoded without the draft needs no draft context: not sent
+                    declined = frozenset({"dflash_context"} & set(part.manifest)
+                                         if not room.has_draft_context else ())
+                    assembler.start(part, room, pool_copies=source is not None,
                                     bands=(ranks.band_names(part.rank_streams)
-                                           if rank_ticket is not None else None))
-                    accepted = decode_pb2.HandoffAccepted(handoff_id=part.handoff_id,
-                                                          pool_copies=source is not None)
+                                           if rank_ticket is not None else None),
+                                    declined=declined)
+                    accepted = decode_pb2.HandoffAccepted(
+                        handoff_id=part.handoff_id, pool_copies=source is not None,
+                        without_draft_context=bool(declined))
                     if rank_ticket is not None:
                         # no prefill rank may send before every rank takes the ticket
                         await ranks.ready(rank_ticket, self.idle_timeout_s)

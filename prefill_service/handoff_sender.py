@@ -142,6 +142,9 @@ class HandoffStream:
         self._tcp_count = tcp_connections
         self._prompt = PromptShape(header.prompt_len, header.layout.page_size)
         self._ledgers = new_ledgers(header.manifest)
+        # what is sent: the header's manifest less what the receiver declined (set by open)
+        self._manifest = header.manifest
+        self.draft_declined = False  # the receiver decodes without the draft (set by open)
         self._sent = {"kv": 0, "dflash_context": 0}  # pages sent of each paged field
         self._states_sent = False
         self.pool_copies = False  # the receiver opened our pools (set by open)
@@ -173,12 +176,17 @@ class HandoffStream:
     async def open(self) -> None:
         """Write the header and wait for ``accepted``; raises AioRpcError on a refusal, and
         HandoffTransportError when the sender's transport is ``device`` or ``tcp`` and the
-        receiver cannot take it. With ``tcp`` or ``auto`` and a receiver that offers TCP, the
+        receiver cannot take it. A receiver that decodes the request without the draft says
+        so (``draft_declined`` then): its draft context is not sent. With ``tcp`` or ``auto`` and a receiver that offers TCP, the
         connection is taken here; under ``auto`` one that cannot be made leaves the chunks on
         the stream."""
         await self._call.write(convert.handoff_part_to_pb(self.header).SerializeToString())
         accepted = (await _reply(self._call, "accepted")).accepted
         self.pool_copies = accepted.pool_copies
+        if accepted.without_draft_context and "dflash_context" in self._manifest:
+            self.draft_declined = True
+            self._manifest = {name: spec for name, spec in self._manifest.items()
+                              if name != "dflash_context"}
         if self._transport == "device" and not self.pool_copies:
             self._call.cancel()
             raise HandoffTransportError(
@@ -253,7 +261,7 @@ class HandoffStream:
             return
         ranges = []  # (field, first page, end page) newly final
         fields = [] if self._bands is not None else [("kv", ready.num_pages)]
-        if "dflash_context" in self.header.manifest:
+        if "dflash_context" in self._manifest:
             fields.append(("dflash_context", ready.final_draft_pages))
         for name, end in fields:
             start = self._sent[name]
@@ -314,7 +322,7 @@ class HandoffStream:
         if ready.num_pages > start:
             pages = tuple(ready.page_ids[start:ready.num_pages])
             for name in ("kv", "dflash_context"):
-                if name in self.header.manifest:
+                if name in self._manifest:
                     parts.append(PoolCopyPart(name, pages, start))
         if ready.final:
             parts += [PoolCopyPart("conv_state", (ready.slot,)),
@@ -325,7 +333,7 @@ class HandoffStream:
                      first_logprobs: TokenLogprobs | None = None) -> decode_pb2.HandoffAck:
         """Write the trailer, close, and wait for decode's ``ack`` (the request is admitted)."""
         # every field went as pool copies, or as bytes with a checksum
-        manifest = self.header.manifest
+        manifest = self._manifest
         if self._bands is not None:  # these went as bands, checksummed by their senders
             manifest = unbanded(manifest)
         checksums = {} if self.pool_copies else fold_checksums(manifest, self._ledgers)
@@ -432,8 +440,8 @@ class HandoffSender:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
-        if self.send_process is not None:
-            self.send_process.close()
+        if self.send_process is not None:  # it cancels what is open and exits: a short wait
+            await asyncio.to_thread(self.send_process.close)
         if self.tcp is not None:
             self.tcp.close()
         self._executor.shutdown(wait=False, cancel_futures=True)

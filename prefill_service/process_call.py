@@ -290,7 +290,7 @@ class _Child:
         if not self.alive:
             return
         self.alive = False
-        code = self.process.poll()
+        code = self.process.poll()  # None while it is still on its way out
         log.error("the handoff send process (pid %d) exited (code %s); its %d open handoffs "
                   "fail, the next one starts a new process", self.process.pid, code,
                   len(self.calls))
@@ -300,6 +300,15 @@ class _Child:
             call._end(grpc.StatusCode.UNAVAILABLE,
                       f"the handoff send process exited (code {code})")
         self.wire.close()
+        if code is None:  # reaped once it is gone, or it would stay a zombie
+            threading.Thread(target=self._reap, name="send-process-reaper", daemon=True).start()
+
+    def _reap(self) -> None:
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # its socket broke, yet it lives: end it
+            self.process.kill()
+            self.process.wait()
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.alive = False

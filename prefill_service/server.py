@@ -86,6 +86,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             opened = time.perf_counter()
             if handoff.rank_plan is not None:  # the followers send their heads themselves
                 job = dataclasses.replace(job, rank_streams=handoff.rank_plan)
+            if handoff.draft_declined:  # decode decodes it without the draft: none to make
+                self.metrics.draft_context_declined()
+                job = _without_draft(job)
             loop = asyncio.get_running_loop()
             ready_parts: asyncio.Queue = asyncio.Queue()
 
@@ -220,6 +223,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             free_slots=load["free_slots"], total_slots=load["total_slots"],
             queue_len=load["queue_len"], running=load["running"], counters=counters,
             max_request_tokens=request_capacity_tokens(self.engine.engine)))
+
+
+def _without_draft(job: PrefillJob) -> PrefillJob:
+    """``job`` prefilled without speculation, so that its draft context is not computed."""
+    sampling = dataclasses.replace(job.spec.sampling, speculative=False)
+    return dataclasses.replace(job, spec=dataclasses.replace(job.spec, sampling=sampling))
 
 
 def _with_logprobs(response: prefill_pb2.PrefillResponse,

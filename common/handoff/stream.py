@@ -95,6 +95,7 @@ class HandoffAssembler:
         self._ledgers: dict[tuple[str, int], LayerLedger] = {}
         self._copies: PoolCopyLedger | None = None
         self._bands: set[str] | None = None  # per-rank streams' band names
+        self._declined: frozenset[str] = frozenset()  # manifest fields not to be sent
         self.bytes_received = 0
         self.first_token: int | None = None  # from the verified trailer
         self.first_logprobs: TokenLogprobs | None = None  # likewise, when the request asks
@@ -154,14 +155,18 @@ class HandoffAssembler:
             self._fail(err)
 
     def start(self, header: HeaderPart, reservation: Reservation, *,
-              pool_copies: bool = False, bands: set[str] | None = None) -> None:
+              pool_copies: bool = False, bands: set[str] | None = None,
+              declined: frozenset[str] = frozenset()) -> None:
         """Take the room reserved for a checked header; chunks may follow (and, with
         ``pool_copies``, the reservation opened the sender's pools: ``PoolCopyPart``s too).
         ``bands``: the state's fields (``kv``, ``conv_state``, ``ssm_state``) come on per-rank
         streams as these bands instead (``common/handoff/bands.py``): no chunk of them may
         come here, and the trailer must carry a checksum of each band, which the caller
-        checks against what the ranks landed. If the handoff was closed meanwhile, the
-        reservation is released at once (and ABORTED raised)."""
+        checks against what the ranks landed. ``declined``: manifest fields the receiver told
+        the sender not to send (``dflash_context`` of a request it decodes without the draft):
+        none of their bytes may come, and the trailer carries no checksum of them. If the
+        handoff was closed meanwhile, the reservation is released at once (and ABORTED
+        raised)."""
         if self._state != "header":
             reservation.release()
             self._expect("header", "a reservation")
@@ -170,6 +175,7 @@ class HandoffAssembler:
         self._copies = (PoolCopyLedger(header.layout.num_pages(header.prompt_len))
                         if pool_copies else None)
         self._bands = set(bands) if bands is not None else None
+        self._declined = frozenset(declined)
         self._state = "chunks"
 
     def on_pool_copy(self, part: PoolCopyPart) -> None:
@@ -192,7 +198,7 @@ class HandoffAssembler:
             if any(key[0] == part.field for key in self._ledgers):
                 raise HandoffError("INVALID_ARGUMENT", f"field {part.field!r} arrives as bytes "
                                    "and as pool copies")
-            self._copies.add(part, set(self._header.manifest))
+            self._copies.add(part, set(self._header.manifest) - self._declined)
         except BaseException as err:
             self._fail(err)
 
@@ -257,7 +263,7 @@ class HandoffAssembler:
                 raise HandoffError("INVALID_ARGUMENT", f"trailer: {exc}") from None
             copied = self._copies.fields if self._copies is not None else set()
             banded = set(BANDED_FIELDS) if self._bands is not None else set()
-            streamed = set(manifest) - copied - banded
+            streamed = set(manifest) - copied - banded - self._declined
             if set(trailer.checksums) != streamed | (self._bands or set()):
                 raise HandoffError("INVALID_ARGUMENT", f"trailer has checksums for "
                                    f"{sorted(trailer.checksums)}, the fields sent as bytes are "
@@ -338,6 +344,8 @@ class HandoffAssembler:
                                "streams")
         if spec is None:
             raise HandoffError("INVALID_ARGUMENT", f"{where}: field not declared in the manifest")
+        if chunk.field in self._declined:
+            raise HandoffError("INVALID_ARGUMENT", f"{where}: the receiver declined the field")
         if not 0 <= chunk.layer < spec.num_layers:
             raise HandoffError("INVALID_ARGUMENT", f"{where}: layer out of range "
                                f"[0, {spec.num_layers})")

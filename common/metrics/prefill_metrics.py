@@ -61,6 +61,10 @@ class PrefillMetrics:
             f"{PREFIX}_send_process_starts",
             "Starts of the worker's send process: more than one means it died and was started "
             "again.", registry=r)
+        self.draft_declined = Counter(
+            f"{PREFIX}_draft_context_declined",
+            "Handoffs whose decode worker decodes the request without the draft: its draft "
+            "context was neither made nor sent.", registry=r)
         self.handoff_time = Histogram(
             f"{PREFIX}_handoff_time_seconds",
             "From a prompt's first token to the decode worker's acknowledgement: the part of "
@@ -111,6 +115,9 @@ class PrefillMetrics:
     def send_process_started(self) -> None:
         self.send_process_starts.inc()
 
+    def draft_context_declined(self) -> None:
+        self.draft_declined.inc()
+
     def handoff_failed(self) -> None:
         self.handoffs.labels(result="failed").inc()
 
@@ -135,4 +142,6 @@ class PrefillMetrics:
                 self.handoff_send_process, f"{PREFIX}_handoff_send_process_total"),
             "send_process_starts": sample_total(
                 self.send_process_starts, f"{PREFIX}_send_process_starts_total"),
+            "draft_contexts_declined": sample_total(
+                self.draft_declined, f"{PREFIX}_draft_context_declined_total"),
         }

@@ -145,6 +145,7 @@ def test_a_send_process_that_dies_mid_stream_fails_the_request_and_frees_both_wo
                                     request_to_pb(token_ids=LONG_PROMPT[:40], params=PARAMS),
                                     timeout_s=60))
         assert len(done.token_ids) == PARAMS.max_new_tokens
+        # the dead one was reaped (no zombie left), a new one runs
         (again,) = children_of(worker(cluster, "prefill").pid)
         assert again != sender
         counters = load(cluster, "prefill").counters

@@ -12,6 +12,7 @@ import pytest
 
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.handoff.layout import LayoutDescriptor
+from common.model.dflash import load_draft
 from common.model.load import load_model
 from common.pb.flashsplit.v1 import prefill_pb2, prefill_pb2_grpc, types_pb2
 from prefill_service.engine import PrefillEngine
@@ -153,3 +154,40 @@ def test_the_first_token_goes_ahead_of_the_outcome_when_decode_has_more_to_do(
     else:  # the request ended at its first token: no handoff, the outcome says so
         assert kinds == ["done"] and done.finish_reason == types_pb2.FINISH_REASON_LENGTH
     assert pool_is_whole(engine)
+
+
+@pytest.mark.parametrize("declined", [False, True])
+def test_a_draft_context_the_decode_worker_declines_is_neither_made_nor_sent(model, declined):
+    """A decode worker that will decode the request without the draft says so in its
+    acceptance: the prefill worker then prefills it without the draft's context (no
+    ``extend_context``) and sends no ``dflash_context`` chunk."""
+    llm = LLMEngine(model, EngineConfig(
+        cache=CacheConfig(page_size=PAGE_SIZE, num_pages=NUM_PAGES, num_slots=4),
+        hold_after_prefill=True), draft=load_draft("tiny", model))
+    extended = []
+    extend = llm.speculator.extend_context
+    llm.speculator.extend_context = lambda *a, **k: (extended.append(1), extend(*a, **k))[1]
+    engine = PrefillEngine(llm, LayoutDescriptor.from_model(model.config, PAGE_SIZE, model.dtype),
+                           "fp")
+    engine.start()
+
+    async def scenario():
+        decode = await start_fake("decode")
+        decode.servicer.knobs.without_draft_context = declined
+        try:
+            async with served(engine) as stub:
+                request = prefill_request(decode_address=decode.address)
+                return [u async for u in stub.Prefill(request, timeout=30)], decode.servicer
+        finally:
+            await decode.stop()
+
+    try:
+        updates, decode = asyncio.run(scenario())
+        assert updates[-1].HasField("done")
+        fields = decode.chunk_fields[7]
+        assert {"kv", "conv_state", "ssm_state"} <= fields
+        assert ("dflash_context" in fields) == (not declined)
+        assert bool(extended) == (not declined)
+        assert pool_is_whole(engine)
+    finally:
+        engine.stop()

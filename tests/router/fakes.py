@@ -53,6 +53,7 @@ class DecodeKnobs:
     free_slots: int = 8
     free_pages: int = 64
     send_logprobs: bool = True                  # False: leave out the ones a request asks for
+    without_draft_context: bool = False         # decline every handoff's draft context
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):
@@ -142,6 +143,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.knobs = DecodeKnobs()
         self.handoffs: dict[int, decode_pb2.HandoffHeader] = {}
         self.first_tokens: dict[int, int] = {}
+        self.chunk_fields: dict[int, set[str]] = defaultdict(set)  # fields that came as chunks
         self._arrived: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
         self.streams: list[int] = []
         self.cancelled_streams: list[int] = []
@@ -152,12 +154,15 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         async for msg in request_iterator:
             if msg.HasField("trailer"):
                 self.first_tokens[header.handoff_id] = msg.trailer.first_token
+            if msg.HasField("chunk"):
+                self.chunk_fields[header.handoff_id].add(msg.chunk.field)
             if msg.HasField("header"):
                 header = msg.header
                 if self.knobs.refuse_with is not None:
                     await context.abort(self.knobs.refuse_with, "fake decode: no room")
-                yield decode_pb2.HandoffReply(
-                    accepted=decode_pb2.HandoffAccepted(handoff_id=header.handoff_id))
+                yield decode_pb2.HandoffReply(accepted=decode_pb2.HandoffAccepted(
+                    handoff_id=header.handoff_id,
+                    without_draft_context=self.knobs.without_draft_context))
         if header is None or header.handoff_id not in self.first_tokens:
             return  # the sender went away before its trailer: nothing arrived
         self.handoffs[header.handoff_id] = header

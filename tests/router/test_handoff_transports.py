@@ -99,10 +99,11 @@ def test_the_send_process_carries_the_draft_context():
 
 
 @pytest.mark.parametrize("transport", ["device", "tcp", "stream"])
-def test_a_decode_worker_past_its_speculation_limit_drops_the_draft_context(transport):
+def test_a_decode_worker_past_its_speculation_limit_declines_the_draft_context(transport):
     """--speculative-disable-by-batch-size 1: while one request decodes, the next ones decode
-    without the draft. The prefill worker still sends their draft context (it cannot know),
-    and the decode worker drops it on every transport: the same tokens, pools full after."""
+    without the draft. The decode worker says so when it accepts their handoffs, and the
+    prefill worker neither makes nor sends their draft context, on every transport: the same
+    tokens, pools full after."""
     config = ClusterConfig(model="tiny", worker_args=CHUNKED + ("--draft", "tiny"),
                            prefill_args=("--handoff-transport", transport),
                            decode_args=("--handoff-transport", transport,
@@ -121,6 +122,10 @@ def test_a_decode_worker_past_its_speculation_limit_drops_the_draft_context(tran
     with Cluster(config) as cluster:
         holder, outs = asyncio.run(scenario(cluster))
         reports = asyncio.run(wait_all_free(cluster))
+        (prefill,) = [w for w in cluster.workers if w.kind == "prefill"]
+        counters = asyncio.run(worker_load(prefill.address, "prefill",
+                                           cluster.internal_token)).counters
+    assert counters["draft_contexts_declined"] == len(PROMPTS)
     assert [o.token_ids for o in outs] == local_greedy(load_model("tiny"), PROMPTS)
     assert all(not o.accept_lengths for o in outs)  # plain decode steps only
     assert holder.accept_lengths  # the first one speculated

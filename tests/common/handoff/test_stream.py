@@ -337,3 +337,38 @@ def test_first_token_logprobs_must_be_what_the_request_asks(make_payload, layout
     parts = list(split_payload(_asking(make_payload(), num_top, logprobs)))
     err = _receive_and_fail(layout, fingerprint, parts, "INVALID_ARGUMENT")
     assert "log-probabilities" in str(err)
+
+
+# a field the receiver declined (the draft context of a request it decodes without the draft)
+def _declining(layout, fingerprint, header):
+    assembler = HandoffAssembler(layout, fingerprint, 1 << 40)
+    assembler.check_header(header)
+    reservation = InMemoryReservation(header.manifest)
+    assembler.start(header, reservation, declined=frozenset({"dflash_context"}))
+    return assembler, reservation
+
+
+def test_a_declined_field_is_neither_sent_nor_checksummed(make_payload, layout, fingerprint):
+    payload = make_payload(prompt_len=21, seed=3, dflash_context=torch.randn(2, 50, 9))
+    header, *chunks, trailer = split_payload(payload, chunk_bytes=500)
+    assembler, reservation = _declining(layout, fingerprint, header)
+    for chunk in chunks:
+        if chunk.field != "dflash_context":
+            assembler.on_chunk(chunk)
+    assembler.on_trailer(TrailerPart({k: v for k, v in trailer.checksums.items()
+                                      if k != "dflash_context"}, first_token=5))
+    assert assembler.on_end() is reservation and reservation.num_commits == 1
+
+
+@pytest.mark.parametrize("sent", ["chunk", "checksum"])
+def test_a_declined_field_that_comes_anyway_is_refused(make_payload, layout, fingerprint, sent):
+    payload = make_payload(prompt_len=21, seed=3, dflash_context=torch.randn(2, 50, 9))
+    header, *chunks, trailer = split_payload(payload, chunk_bytes=500)
+    assembler, reservation = _declining(layout, fingerprint, header)
+    with pytest.raises(HandoffError) as err:
+        for chunk in chunks:
+            if sent == "chunk" or chunk.field != "dflash_context":
+                assembler.on_chunk(chunk)
+        assembler.on_trailer(trailer)  # with the declined field's checksum
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert reservation.num_releases == 1 and reservation.num_commits == 0

@@ -21,6 +21,7 @@ def test_engine_and_servicer_updates_reach_both_the_scrape_and_get_load():
     m.handoff_sent(0, 0.001, pool_copies=True)
     m.handoff_sent(100, 0.001, pool_copies=False, send_process=True)
     m.send_process_started()
+    m.draft_context_declined()
     m.handoff_failed()
     s = scrape_registry(m.registry)
     assert s.value(f"{P}_queue_time_seconds_count") == 2
@@ -33,13 +34,14 @@ def test_engine_and_servicer_updates_reach_both_the_scrape_and_get_load():
     assert s.value(f"{P}_handoff_time_seconds_count") == 3
     assert s.value(f"{P}_handoff_send_process_total") == 1
     assert s.value(f"{P}_send_process_starts_total") == 1
+    assert s.value(f"{P}_draft_context_declined_total") == 1
     assert s.value(f"{P}_handoff_tcp_total") == 1
     assert s.value(f"{P}_handoff_rank_streams_total") == 1
     assert m.load_counters() == {
         "prefilled": 1, "prompt_tokens": 9, "aborted": 1, "handoffs_sent": 3,
         "handoffs_failed": 1, "handoff_bytes": 4196, "handoffs_as_pool_copies": 1,
         "handoffs_over_tcp": 1, "handoffs_over_rank_streams": 1,
-        "handoffs_by_send_process": 1, "send_process_starts": 1}
+        "handoffs_by_send_process": 1, "send_process_starts": 1, "draft_contexts_declined": 1}
 
 
 def test_gauges_read_the_load_snapshot_at_each_scrape():

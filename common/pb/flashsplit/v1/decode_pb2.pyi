@@ -127,20 +127,22 @@ class HandoffAck(_message.Message):
     def __init__(self, handoff_id: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class HandoffAccepted(_message.Message):
-    __slots__ = ("handoff_id", "pool_copies", "tcp_port", "tcp_ticket", "rank_ports", "rank_ticket")
+    __slots__ = ("handoff_id", "pool_copies", "tcp_port", "tcp_ticket", "rank_ports", "rank_ticket", "without_draft_context")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_COPIES_FIELD_NUMBER: _ClassVar[int]
     TCP_PORT_FIELD_NUMBER: _ClassVar[int]
     TCP_TICKET_FIELD_NUMBER: _ClassVar[int]
     RANK_PORTS_FIELD_NUMBER: _ClassVar[int]
     RANK_TICKET_FIELD_NUMBER: _ClassVar[int]
+    WITHOUT_DRAFT_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     handoff_id: int
     pool_copies: bool
     tcp_port: int
     tcp_ticket: bytes
     rank_ports: _containers.RepeatedScalarFieldContainer[int]
     rank_ticket: bytes
-    def __init__(self, handoff_id: _Optional[int] = ..., pool_copies: _Optional[bool] = ..., tcp_port: _Optional[int] = ..., tcp_ticket: _Optional[bytes] = ..., rank_ports: _Optional[_Iterable[int]] = ..., rank_ticket: _Optional[bytes] = ...) -> None: ...
+    without_draft_context: bool
+    def __init__(self, handoff_id: _Optional[int] = ..., pool_copies: _Optional[bool] = ..., tcp_port: _Optional[int] = ..., tcp_ticket: _Optional[bytes] = ..., rank_ports: _Optional[_Iterable[int]] = ..., rank_ticket: _Optional[bytes] = ..., without_draft_context: _Optional[bool] = ...) -> None: ...
 
 class HandoffReply(_message.Message):
     __slots__ = ("accepted", "ack")
