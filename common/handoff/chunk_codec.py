@@ -69,15 +69,21 @@ def chunk_prefix(field: str, layer: int, offset: int, nbytes: int) -> bytes:
     return _key(_MESSAGE_CHUNK, _LENGTH) + _varint(len(inner) + nbytes) + inner
 
 
-def encode_chunk(field: str, layer: int, offset: int, data) -> bytes:
-    """The serialized ``HandoffMessage`` carrying this chunk, with one copy of ``data`` (any
-    C-contiguous buffer: bytes, memoryview, a numpy array, ...), made with the GIL released
-    when ``data`` is large."""
+def _data_bytes(data) -> memoryview:
+    """``data`` (any C-contiguous buffer) as a flat view of its bytes."""
     view = memoryview(data)
     if not view.c_contiguous:
         raise ValueError("chunk data must be a C-contiguous buffer")
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
+    return view
+
+
+def encode_chunk(field: str, layer: int, offset: int, data) -> bytes:
+    """The serialized ``HandoffMessage`` carrying this chunk, with one copy of ``data`` (any
+    C-contiguous buffer: bytes, memoryview, a numpy array, ...), made with the GIL released
+    when ``data`` is large."""
+    view = _data_bytes(data)
     prefix = chunk_prefix(field, layer, offset, view.nbytes)
     if view.nbytes < _FILL_WITHOUT_GIL_BYTES:
         return b"".join((prefix, view))
@@ -88,11 +94,7 @@ def encode_chunk_into(out, field: str, layer: int, offset: int, data) -> int:
     """``encode_chunk``'s message written into the start of ``out`` (a writable buffer, e.g.
     a shared memory slot) instead of a new ``bytes``; returns its length. The data's copy
     runs in numpy, which releases the GIL."""
-    view = memoryview(data)
-    if not view.c_contiguous:
-        raise ValueError("chunk data must be a C-contiguous buffer")
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
+    view = _data_bytes(data)
     prefix = chunk_prefix(field, layer, offset, view.nbytes)
     nbytes = len(prefix) + view.nbytes
     room = np.frombuffer(out, dtype=np.uint8)
@@ -117,9 +119,7 @@ _bytes_address.restype = ctypes.c_void_p
 
 def bytes_without_gil(data) -> bytes:
     """``bytes(data)`` for a C-contiguous buffer, copied with the GIL released when large."""
-    view = memoryview(data)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
+    view = _data_bytes(data)
     if view.nbytes < _FILL_WITHOUT_GIL_BYTES:
         return bytes(view)
     return _joined_without_gil(b"", view)

@@ -68,6 +68,19 @@ async def serving(sink: Sink):
         await server.stop(None)
 
 
+@contextlib.asynccontextmanager
+async def opened(sink: Sink, slots: int = 2, security: ChannelSecurity = ChannelSecurity()):
+    """A send process and one call of it to ``sink``, its header written."""
+    process = SendProcess(SendProcessConfig(SLOT_BYTES, slots=slots), security)
+    try:
+        async with serving(sink) as address:
+            call = process.call(address, METHOD, 30.0, bytes)
+            await call.write(b"header")
+            yield process, call
+    finally:
+        process.close()
+
+
 def chunk_data(i: int) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, 1000 + 97 * i, dtype=np.uint8)
 
@@ -83,26 +96,20 @@ def run(scenario):
 def test_writes_arrive_in_order_and_the_replies_come_back():
     async def scenario():
         sink = Sink()
-        process = SendProcess(SendProcessConfig(SLOT_BYTES, slots=2),
-                              ChannelSecurity(metadata=(("x-token", "secret"),)))
-        try:
-            async with serving(sink) as address:
-                call = process.call(address, METHOD, 30.0, bytes)
-                await call.write(b"header")
-                assert await call.read() == b"accepted"
-                # more chunks than slots: each waits for one the process has copied out
-                for i in range(9):
-                    await call.write(await encode_on_thread(call, i))
-                await call.write(b"trailer")
-                await call.done_writing()
-                assert await call.read() == b"ack"
-                assert await call.read() is grpc.aio.EOF
-                assert await call.code() == grpc.StatusCode.OK
-                await sink.ended.wait()
-                await asyncio.sleep(0.05)  # the last slot's release crosses the socket
-                return sink, process.free_slots
-        finally:
-            process.close()
+        security = ChannelSecurity(metadata=(("x-token", "secret"),))
+        async with opened(sink, security=security) as (process, call):
+            assert await call.read() == b"accepted"
+            # more chunks than slots: each waits for one the process has copied out
+            for i in range(9):
+                await call.write(await encode_on_thread(call, i))
+            await call.write(b"trailer")
+            await call.done_writing()
+            assert await call.read() == b"ack"
+            assert await call.read() is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+            await sink.ended.wait()
+            await asyncio.sleep(0.05)  # the last slot's release crosses the socket
+            return sink, process.free_slots
 
     sink, free = run(scenario)
     assert sink.metadata["x-token"] == "secret"
@@ -115,21 +122,14 @@ def test_writes_arrive_in_order_and_the_replies_come_back():
 
 def test_a_refusal_comes_back_as_the_receivers_status():
     async def scenario():
-        sink = Sink("refuse")
-        process = SendProcess(SendProcessConfig(SLOT_BYTES, slots=2))
-        try:
-            async with serving(sink) as address:
-                call = process.call(address, METHOD, 30.0, bytes)
-                await call.write(b"header")
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call.read()
-                # a later chunk is refused with the same status, its slot given back
-                with pytest.raises(grpc.aio.AioRpcError) as later:
-                    await call.write(await encode_on_thread(call, 1))
-                await asyncio.sleep(0.05)
-                return err.value, later.value, await call.code(), process.free_slots
-        finally:
-            process.close()
+        async with opened(Sink("refuse")) as (process, call):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            # a later chunk is refused with the same status, its slot given back
+            with pytest.raises(grpc.aio.AioRpcError) as later:
+                await call.write(await encode_on_thread(call, 1))
+            await asyncio.sleep(0.05)
+            return err.value, later.value, await call.code(), process.free_slots
 
     err, later, code, free = run(scenario)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details() == "no room"
@@ -140,23 +140,17 @@ def test_a_refusal_comes_back_as_the_receivers_status():
 def test_cancel_reaches_the_receiver_and_gives_back_unwritten_slots():
     async def scenario():
         sink = Sink("hold")
-        process = SendProcess(SendProcessConfig(SLOT_BYTES, slots=3))
-        try:
-            async with serving(sink) as address:
-                call = process.call(address, METHOD, 30.0, bytes)
-                await call.write(b"header")
-                await call.write(await encode_on_thread(call, 1))
-                unwritten = await encode_on_thread(call, 2)  # filled, never written
-                while len(sink.received) < 2:
-                    await asyncio.sleep(0.01)
-                assert call.cancel()
-                await sink.ended.wait()
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call.write(unwritten)
-                await asyncio.sleep(0.05)
-                return sink, err.value, await call.code(), process.free_slots
-        finally:
-            process.close()
+        async with opened(sink, slots=3) as (process, call):
+            await call.write(await encode_on_thread(call, 1))
+            unwritten = await encode_on_thread(call, 2)  # filled, never written
+            while len(sink.received) < 2:
+                await asyncio.sleep(0.01)
+            assert call.cancel()
+            await sink.ended.wait()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.write(unwritten)
+            await asyncio.sleep(0.05)
+            return sink, err.value, await call.code(), process.free_slots
 
     sink, err, code, free = run(scenario)
     assert sink.cancelled
@@ -167,32 +161,26 @@ def test_cancel_reaches_the_receiver_and_gives_back_unwritten_slots():
 def test_a_killed_process_fails_its_calls_and_the_next_call_starts_another():
     async def scenario():
         sink = Sink("hold")
-        process = SendProcess(SendProcessConfig(SLOT_BYTES, slots=2))
-        try:
-            async with serving(sink) as address:
-                call = process.call(address, METHOD, 30.0, bytes)
+        async with opened(sink) as (process, call):
+            while not sink.received:
+                await asyncio.sleep(0.01)
+            first_pid = process.pid
+            os.kill(first_pid, signal.SIGKILL)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            await sink.ended.wait()  # the receiver saw its call end
+            # the next call goes through a new process
+            again = Sink()
+            async with serving(again) as other:
+                call = process.call(other, METHOD, 30.0, bytes)
                 await call.write(b"header")
-                while not sink.received:
-                    await asyncio.sleep(0.01)
-                first_pid = process.pid
-                os.kill(first_pid, signal.SIGKILL)
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call.read()
-                await sink.ended.wait()  # the receiver saw its call end
-                # the next call goes through a new process
-                again = Sink()
-                async with serving(again) as other:
-                    call = process.call(other, METHOD, 30.0, bytes)
-                    await call.write(b"header")
-                    assert await call.read() == b"accepted"
-                    await call.write(await encode_on_thread(call, 0))
-                    await call.done_writing()
-                    assert await call.read() == b"ack"
-                    await asyncio.sleep(0.05)
-                    return (err.value, first_pid, process.pid, process.starts,
-                            process.free_slots, again.received)
-        finally:
-            process.close()
+                assert await call.read() == b"accepted"
+                await call.write(await encode_on_thread(call, 0))
+                await call.done_writing()
+                assert await call.read() == b"ack"
+                await asyncio.sleep(0.05)
+                return (err.value, first_pid, process.pid, process.starts,
+                        process.free_slots, again.received)
 
     err, first_pid, pid, starts, free, received = run(scenario)
     assert err.code() == grpc.StatusCode.UNAVAILABLE
@@ -204,10 +192,7 @@ def test_a_killed_process_fails_its_calls_and_the_next_call_starts_another():
 def test_closing_ends_the_process_and_cancels_what_is_open():
     async def scenario():
         sink = Sink("hold")
-        process = SendProcess(SendProcessConfig(SLOT_BYTES, slots=2))
-        async with serving(sink) as address:
-            call = process.call(address, METHOD, 30.0, bytes)
-            await call.write(b"header")
+        async with opened(sink) as (process, call):
             while not sink.received:
                 await asyncio.sleep(0.01)
             child = process._child.process
