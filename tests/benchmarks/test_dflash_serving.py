@@ -28,9 +28,10 @@ def test_each_concurrency_runs_plain_then_speculative_on_the_same_cluster(held_o
         assert 1.0 <= dflash["tau"] <= 16
         assert r["speedup"] == pytest.approx(dflash["output_tokens_per_s"]
                                              / plain["output_tokens_per_s"])
+        assert r["decode_speedup"] == pytest.approx(plain["tpot_p50_ms"] / dflash["tpot_p50_ms"])
     table = format_table(rows)
     header = table.splitlines()[0]
     assert header.split()[0] == "concurrency" and len(table.splitlines()) == 3
     # TTFT beside TPOT: a queue in front of one half shows there, not in TPOT
     assert "TTFT plain ms" in header and "TTFT DFLASH ms" in header
-    assert len(table.splitlines()[1].split()) == 9
+    assert "decode x" in header and len(table.splitlines()[1].split()) == 10
