@@ -378,9 +378,7 @@ class LLMEngine:
         # request's and the worker's load reports would wait), so each must happen here
         room = min(self.state_pool.allocator.num_free,
                    self.config.scheduler.max_running_requests)
-        device = torch.device(self.config.device)
-        groups = warmup_groups(room, torch.cuda.get_device_properties(device).multi_processor_count
-                               if device.type == "cuda" else None)
+        groups = warmup_groups(room, self._sm_count())
         keys = [f"__warmup__{i}" for i in range(groups[-1][1])]
         held: set[str] = set()
 
@@ -388,9 +386,14 @@ class LLMEngine:
             while busy() and self.has_work():
                 held.update(e.request_id for e in self.step() if e.held)
 
-        for first, end in groups:
+        # the SM-sized group only prefills: its first token ends it, with no DFLASH step (the
+        # verify logits of 132 x 16 rows of a 248k vocabulary would take 2 GB for nothing)
+        wide = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True,
+                              speculative=False)
+        for n, (first, end) in enumerate(groups):
             for i in range(first, end):
-                self.add_request(list(range(1, 9 - i % 4)), params, request_id=keys[i])
+                self.add_request(list(range(1, 9 - i % 4)), params if n < 2 else wide,
+                                 request_id=keys[i])
             # this group's prefill is over once each has its first token (held or not)
             step_while(lambda: any(k in self.requests and not self.requests[k].output_ids
                                    for k in keys[first:end]))
@@ -398,6 +401,13 @@ class LLMEngine:
         for key in keys:
             self.abort(key)  # a request held for handoff (prefill workers) still owns its cache
         self.capture_cuda_graphs(progress)
+
+    def _sm_count(self) -> int | None:
+        """The GPU's streaming multiprocessors (None on the CPU)."""
+        device = torch.device(self.config.device)
+        if device.type != "cuda":
+            return None
+        return torch.cuda.get_device_properties(device).multi_processor_count
 
     def load(self) -> dict[str, int]:
         """Free and total capacity, queue lengths: what a worker reports to the router.
