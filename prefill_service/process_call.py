@@ -270,6 +270,8 @@ class _Child:
             pass
         except RuntimeError:  # the loop is closed: the worker is shutting down
             return
+        except Exception:  # an unreadable message: treat the process as gone
+            log.exception("reading the handoff send process's messages failed")
         try:
             self._loop.call_soon_threadsafe(self.died)
         except RuntimeError:

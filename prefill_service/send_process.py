@@ -125,7 +125,10 @@ class Relay:
                     message = self.wire.receive()
                     loop.call_soon_threadsafe(self._handle, message)
             except WireClosed:
-                loop.call_soon_threadsafe(self._stopped.set)
+                pass
+            except Exception:  # an unreadable message: the worker is broken, stop
+                log.exception("reading the worker's messages failed; stopping")
+            loop.call_soon_threadsafe(self._stopped.set)
 
         threading.Thread(target=receive, name="send-process-wire", daemon=True).start()
         await self._stopped.wait()
@@ -144,7 +147,13 @@ class Relay:
             self._security = ChannelSecurity(tls=tls, metadata=tuple(map(tuple, message[2])))
         elif kind == "open":
             _, call_id, address, method, timeout_s = message
-            self._calls[call_id] = _Call(self, call_id, self._open(address, method, timeout_s))
+            try:
+                call = self._open(address, method, timeout_s)
+            except Exception as exc:  # e.g. an address gRPC cannot parse: the call ends here
+                self.ended(call_id, grpc.StatusCode.UNAVAILABLE.value[0],
+                           f"the send process could not open a call to {address!r}: {exc}")
+                return
+            self._calls[call_id] = _Call(self, call_id, call)
         elif kind in ("write", "slot", "done", "cancel"):
             call = self._calls.get(message[1])
             if call is None:  # ended already: nothing will be written

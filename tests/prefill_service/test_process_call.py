@@ -236,3 +236,20 @@ def test_which_workers_take_a_send_process(sender, transport, device, expected):
 def test_an_unknown_sender_is_refused():
     with pytest.raises(ValueError, match="unknown handoff sender"):
         uses_send_process("fork", "stream", "cuda")
+
+
+def test_a_call_to_an_address_grpc_cannot_use_fails_with_its_status():
+    async def scenario():
+        process = SendProcess(SendProcessConfig(SLOT_BYTES, slots=2))
+        try:
+            call = process.call("", METHOD, 30.0, bytes)
+            await call.write(b"header")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            await asyncio.sleep(0.05)
+            return err.value, process.free_slots, process.pid
+        finally:
+            process.close()
+
+    err, free, pid = run(scenario)
+    assert err.code() != grpc.StatusCode.OK and free == 2 and pid is not None  # still serving
