@@ -157,6 +157,27 @@ def encoded_messages(payload: HandoffPayload, chunk_bytes: int, encode=None) -> 
     yield trailer()
 
 
+async def send_through_process(process, address: str, payload: HandoffPayload,
+                               chunk_bytes: int, executor) -> None:
+    """One handoff through a send process as a prefill worker makes it: the header, then
+    the chunks encoded into its slots and written by the thread that reads them, then the
+    trailer."""
+    from common.pb.flashsplit.v1 import decode_pb2
+    from prefill_service.handoff_sender import HANDOFF_METHOD
+
+    call = process.call(address, HANDOFF_METHOD, 600.0, decode_pb2.HandoffReply.FromString)
+    header, chunks, trailer = encoded_parts(payload, chunk_bytes, call.encode_chunk)
+    await call.write(header)
+    if (await call.read()).WhichOneof("reply") != "accepted":
+        raise RuntimeError("the decode service did not accept the handoff")
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(executor, call.write_chunks, chunks)
+    await call.write(trailer())
+    await call.done_writing()
+    if (await call.read()).WhichOneof("reply") != "ack":
+        raise RuntimeError("the decode service did not acknowledge the handoff")
+
+
 TCP_FRAME_BYTES = 8 << 20  # the K or V half of a StateReader piece of 16 MiB
 
 
@@ -237,15 +258,8 @@ async def measure(address: str, config: ModelConfig, lengths, repeats: int,
                         await send_over_tcp(handoff, payload, connections, tcp_host(address),
                                             executor, tcp_connections)
                     elif process is not None:  # the send process writes it, as prefill's
-                        call = process.call(address, HANDOFF_METHOD, 600.0,
-                                            decode_pb2.HandoffReply.FromString)
-
-                        class Made:
-                            Handoff = staticmethod(lambda timeout: call)
-
-                        await send_handoff(Made, encoded_messages(payload, chunk_bytes,
-                                                                  call.encode_chunk),
-                                           600.0, executor)
+                        await send_through_process(process, address, payload, chunk_bytes,
+                                                   executor)
                     else:  # encoded on a thread while the loop writes, as prefill does
                         await send_handoff(Stub, encoded_messages(payload, chunk_bytes),
                                            600.0, executor)

@@ -7,7 +7,8 @@ the pools and written as chunks (KV pages of each finished chunk while the next 
 then the GDN state), and the trailer carries the checksums and the first token.
 
 Reading and encoding run on a thread of the sender's pool, never on the engine thread nor the
-event loop; the loop only writes the encoded messages.
+event loop; the loop only writes the encoded messages (through a send process, the reading
+thread writes them too: only their slots' numbers leave this process).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import torch
 from common import convert
 from common.auth import TOKEN_HEADER
 from common.channels import ChannelSecurity, make_channel
-from common.handoff.chunk_codec import encode_chunk
 from common.handoff.tcp_frames import tcp_host
 from common.handoff.tcp_tls import client_context
 from common.handoff.transports import takes_tcp
@@ -129,10 +129,11 @@ class HandoffStream:
                  executor: ThreadPoolExecutor, *, address: str = "", transport: str = "stream",
                  tcp: TcpConnections | None = None, tcp_connections: int | None = None,
                  rank_streams: PrefillRankStreams | None = None,
-                 encode: Callable = encode_chunk, by_send_process: bool = False) -> None:
+                 by_send_process: bool = False) -> None:
+        """``by_send_process``: ``call`` is a :class:`ProcessCall`, whose chunks are encoded
+        into its shared slots and written by the sender thread that makes them."""
         self._call = call
-        self._encode = encode  # makes each chunk message the call writes
-        self.by_send_process = by_send_process  # the call is the send process's
+        self.by_send_process = by_send_process
         self.header = header
         self._reader = reader
         self._executor = executor
@@ -282,10 +283,19 @@ class HandoffStream:
                 ready, ranges, states, self._prompt, self._ledgers))
             return
 
+        if self.by_send_process:
+            # encoded into the send process's slots and their numbers written by the reading
+            # thread itself: no chunk passes through this event loop either
+            loop = asyncio.get_running_loop()
+            self.bytes_sent += await loop.run_in_executor(
+                self._executor, lambda: self._call.write_chunks(self._reader.read(
+                    ready, ranges, states, self._prompt, self._ledgers,
+                    self._call.encode_chunk)))
+            return
+
         def produce():
             # in the order the forward writes them (each piece after its own layer's event)
-            return self._reader.read(ready, ranges, states, self._prompt, self._ledgers,
-                                     self._encode)
+            return self._reader.read(ready, ranges, states, self._prompt, self._ledgers)
 
         async with contextlib.aclosing(feed_from_thread(self._executor, produce)) as messages:
             async for message in messages:
@@ -415,10 +425,8 @@ class HandoffSender:
     def stream(self, address: str, header: HeaderPart) -> HandoffStream:
         """A handoff to ``address``, not yet opened."""
         reply = decode_pb2.HandoffReply.FromString
-        encode: Callable = encode_chunk
         if self.send_process is not None:
             call = self.send_process.call(address, HANDOFF_METHOD, self.timeout_s, reply)
-            encode = call.encode_chunk
         else:
             channel = self._channels.get(address)
             if channel is None:
@@ -433,7 +441,7 @@ class HandoffSender:
         return HandoffStream(call, header, self.reader, self._executor, address=address,
                              transport=self.transport, tcp=self.tcp,
                              tcp_connections=self.tcp_connections,
-                             rank_streams=self.rank_streams, encode=encode,
+                             rank_streams=self.rank_streams,
                              by_send_process=self.send_process is not None)
 
     async def close(self) -> None:

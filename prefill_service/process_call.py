@@ -5,8 +5,8 @@
 :class:`ProcessCall`, which a :class:`~prefill_service.handoff_sender.HandoffStream` uses as it
 would a ``grpc.aio`` call (``write``, ``read``, ``done_writing``, ``code``, ``details``,
 ``cancel``). Its ``encode_chunk`` (on a sender thread) writes a chunk message straight into a
-free slot, with the GIL released, and ``write`` then sends only the slot's number: no chunk
-byte is copied by gRPC in this process.
+free slot, with the GIL released, and ``write_chunks`` (on that thread) or ``write`` then sends
+only the slot's number: no chunk byte is copied by gRPC in this process.
 
 A slot is taken by the thread that fills it and given back by the send process once it has
 copied the bytes out (or by the call, for a slot filled but never written). If the process
@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -129,13 +129,32 @@ class ProcessCall:
             self._unsent.add(slot)
         return SlotMessage(slot, nbytes)
 
+    def write_chunks(self, messages: Iterable[SlotMessage]) -> int:
+        """Write each of ``messages`` (made by :meth:`encode_chunk`) as it comes, in order;
+        returns their bytes. Raises the call's error once it has ended (a cancelled call ends
+        here at the next message)."""
+        sent = 0
+        for message in messages:
+            self._take_unsent(message)
+            try:
+                self._child.wire.send("slot", self._id, message.slot, message.nbytes)
+            except WireClosed:
+                self._loop.call_soon_threadsafe(self._child.died)
+                raise _rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                 "the handoff send process exited") from None
+            sent += message.nbytes
+        return sent
+
+    def _take_unsent(self, message: SlotMessage) -> None:
+        with self._lock:
+            if message.slot not in self._unsent:
+                raise self._ended_error()
+            self._unsent.discard(message.slot)
+
     # --- on the event loop
     async def write(self, message) -> None:
         if isinstance(message, SlotMessage):
-            with self._lock:
-                if message.slot not in self._unsent:
-                    raise self._ended_error()
-                self._unsent.discard(message.slot)
+            self._take_unsent(message)
             self._send("slot", self._id, message.slot, message.nbytes)
         else:
             if self._closed.is_set():

@@ -253,3 +253,34 @@ def test_a_call_to_an_address_grpc_cannot_use_fails_with_its_status():
 
     err, free, pid = run(scenario)
     assert err.code() != grpc.StatusCode.OK and free == 2 and pid is not None  # still serving
+
+
+def test_a_sender_thread_writes_what_it_encodes_in_order():
+    """``write_chunks`` on the thread that encodes: the chunks go out in order without the
+    event loop; once the call is cancelled, the thread stops at its next chunk."""
+    async def scenario():
+        sink = Sink()
+        async with opened(sink) as (process, call):
+            assert await call.read() == b"accepted"
+            made = (call.encode_chunk("kv", i, 10 * i, chunk_data(i)) for i in range(9))
+            sent = await asyncio.to_thread(call.write_chunks, made)
+            await call.write(b"trailer")
+            await call.done_writing()
+            assert await call.read() == b"ack"
+            await sink.ended.wait()
+
+            held = Sink("hold")
+            async with serving(held) as other:
+                cancelled = process.call(other, METHOD, 30.0, bytes)
+                await cancelled.write(b"header")
+                cancelled.cancel()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await asyncio.to_thread(cancelled.write_chunks, (
+                        cancelled.encode_chunk("kv", i, 0, chunk_data(i)) for i in range(3)))
+            await asyncio.sleep(0.05)
+            return sink.received, sent, err.value, process.free_slots
+
+    received, sent, err, free = run(scenario)
+    chunks = [encode_chunk("kv", i, 10 * i, chunk_data(i)) for i in range(9)]
+    assert received == [b"header", *chunks, b"trailer"] and sent == sum(map(len, chunks))
+    assert err.code() == grpc.StatusCode.CANCELLED and free == 2
