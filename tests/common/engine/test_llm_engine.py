@@ -154,14 +154,8 @@ def test_warmup_batches_cross_the_kernels_lines(room, sms, groups):
     assert warmup_groups(room, sms) == groups
 
 
-@pytest.mark.parametrize("hold", [False, True], ids=["local", "prefill worker"])
-def test_warmup_on_a_gpu_also_prefills_as_many_prompts_as_it_has_sms(hold, monkeypatch):
-    """The third group (here as if the GPU had 11 SMs) is prefilled in one step and ends at
-    its first token: no decode step runs at its size."""
-    cache = CacheConfig(page_size=4, num_pages=200, num_slots=12)
-    engine = LLMEngine(load_model("tiny"), EngineConfig(cache=cache, hold_after_prefill=hold))
-    monkeypatch.setattr(engine, "_sm_count", lambda: 11)
-    free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
+def warmup_batches(engine: LLMEngine) -> list[tuple[str, int]]:
+    """``engine.warmup()``'s forwards, as (mode, requests) each."""
     batches = []
     run = engine.runner.run
 
@@ -171,6 +165,18 @@ def test_warmup_on_a_gpu_also_prefills_as_many_prompts_as_it_has_sms(hold, monke
 
     engine.runner.run = recording
     engine.warmup(progress=False)
+    return batches
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["local", "prefill worker"])
+def test_warmup_on_a_gpu_also_prefills_as_many_prompts_as_it_has_sms(hold, monkeypatch):
+    """The third group (here as if the GPU had 11 SMs) is prefilled in one step and ends at
+    its first token: no decode step runs at its size."""
+    cache = CacheConfig(page_size=4, num_pages=200, num_slots=12)
+    engine = LLMEngine(load_model("tiny"), EngineConfig(cache=cache, hold_after_prefill=hold))
+    monkeypatch.setattr(engine, "_sm_count", lambda: 11)
+    free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
+    batches = warmup_batches(engine)
     assert [n for mode, n in batches if mode == "EXTEND"] == [1, 7, 3]
     assert max([0] + [n for mode, n in batches if mode == "DECODE"]) == (0 if hold else 8)
     assert not engine.requests and not engine.has_work()
@@ -181,15 +187,7 @@ def test_warmup_on_a_gpu_also_prefills_as_many_prompts_as_it_has_sms(hold, monke
 def test_warmup_prefills_one_prompt_then_a_batch_and_gives_its_room_back(hold):
     engine = LLMEngine(load_model("tiny"), EngineConfig(cache=CACHE, hold_after_prefill=hold))
     free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
-    batches = []
-    run = engine.runner.run
-
-    def recording(step, **kwargs):
-        batches.append((step.mode.name, len(step.requests)))
-        return run(step, **kwargs)
-
-    engine.runner.run = recording
-    engine.warmup(progress=False)
+    batches = warmup_batches(engine)
     # CACHE has 5 usable slots: one prompt alone (kernels take other variants for one
     # sequence), then a batch of the rest in one step
     extends = [n for mode, n in batches if mode == "EXTEND"]
