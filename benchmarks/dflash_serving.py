@@ -129,8 +129,8 @@ def run(config: ServingConfig, *, progress=print) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'concurrency':>11} {'plain tok/s':>12} {'DFLASH tok/s':>13} {'speedup':>8} "
-             f"{'decode x':>8} {'tau':>5} {'TPOT plain ms':>14} {'TPOT DFLASH ms':>15} {'TTFT plain ms':>14} "
-             f"{'TTFT DFLASH ms':>15}"]
+             f"{'decode x':>8} {'tau':>5} {'TPOT plain ms':>14} {'TPOT DFLASH ms':>15} "
+             f"{'TTFT plain ms':>14} {'TTFT DFLASH ms':>15}"]
     for r in rows:
         p, d = r["plain"], r["dflash"]
         tau = "-" if d["tau"] is None else f"{d['tau']:.2f}"

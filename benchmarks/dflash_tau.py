@@ -175,8 +175,8 @@ def run_tau(config: TauConfig, *, progress: bool = True) -> TauReport:
 def _speed(config: TauConfig, engines: _Engines, prompts, batch: int) -> SpeedRow:
     """Tokens/s each way at ``batch`` requests at a time. The prompts run in as many whole
     batches of ``batch`` as they fill (fewer prompts than that: one batch, cycling them), so a
-    small batch's rate and τ are not those of the first prompt alone: at batch 1 one prompt gave τ 9.96 where the mean over
-    32 was 4.26 (H100, 2026-12-06)."""
+    small batch's rate and τ are not those of the first prompt alone: at batch 1 one prompt
+    gave τ 9.96 where the mean over 32 was 4.26 (H100, 2026-12-06)."""
     if batch >= len(prompts):
         batches = [[prompts[i % len(prompts)] for i in range(batch)]]
     else:

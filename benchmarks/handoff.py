@@ -149,9 +149,9 @@ def encoded_parts(payload: HandoffPayload, chunk_bytes: int, encode=None):
         name, layer, 0, data, ledgers, chunk_bytes, encode or encode_chunk))
 
 
-def encoded_messages(payload: HandoffPayload, chunk_bytes: int, encode=None) -> Iterator:
+def encoded_messages(payload: HandoffPayload, chunk_bytes: int) -> Iterator[bytes]:
     """Every message of the payload's handoff on the stream, made as they are pulled."""
-    header, chunks, trailer = encoded_parts(payload, chunk_bytes, encode)
+    header, chunks, trailer = encoded_parts(payload, chunk_bytes)
     yield header
     yield from chunks
     yield trailer()

@@ -145,7 +145,6 @@ class HandoffStream:
         self._ledgers = new_ledgers(header.manifest)
         # what is sent: the header's manifest less what the receiver declined (set by open)
         self._manifest = header.manifest
-        self.draft_declined = False  # the receiver decodes without the draft (set by open)
         self._sent = {"kv": 0, "dflash_context": 0}  # pages sent of each paged field
         self._states_sent = False
         self.pool_copies = False  # the receiver opened our pools (set by open)
@@ -158,6 +157,12 @@ class HandoffStream:
         # per-rank streams, when the receiver took them (set by open): every rank sends its
         # own heads of kv, conv_state and ssm_state; this call carries the rest
         self._bands: LeaderBands | None = None
+
+    @property
+    def draft_declined(self) -> bool:
+        """Whether the receiver decodes the request without the draft, so that its draft
+        context is neither made nor sent (known once opened)."""
+        return "dflash_context" in self.header.manifest and "dflash_context" not in self._manifest
 
     @property
     def tcp_connection_count(self) -> int:
@@ -178,14 +183,13 @@ class HandoffStream:
         """Write the header and wait for ``accepted``; raises AioRpcError on a refusal, and
         HandoffTransportError when the sender's transport is ``device`` or ``tcp`` and the
         receiver cannot take it. A receiver that decodes the request without the draft says
-        so (``draft_declined`` then): its draft context is not sent. With ``tcp`` or ``auto`` and a receiver that offers TCP, the
-        connection is taken here; under ``auto`` one that cannot be made leaves the chunks on
-        the stream."""
+        so (``draft_declined`` then): its draft context is not sent. With ``tcp`` or ``auto``
+        and a receiver that offers TCP, the connection is taken here; under ``auto`` one that
+        cannot be made leaves the chunks on the stream."""
         await self._call.write(convert.handoff_part_to_pb(self.header).SerializeToString())
         accepted = (await _reply(self._call, "accepted")).accepted
         self.pool_copies = accepted.pool_copies
-        if accepted.without_draft_context and "dflash_context" in self._manifest:
-            self.draft_declined = True
+        if accepted.without_draft_context:
             self._manifest = {name: spec for name, spec in self._manifest.items()
                               if name != "dflash_context"}
         if self._transport == "device" and not self.pool_copies:

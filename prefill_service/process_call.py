@@ -5,8 +5,8 @@
 :class:`ProcessCall`, which a :class:`~prefill_service.handoff_sender.HandoffStream` uses as it
 would a ``grpc.aio`` call (``write``, ``read``, ``done_writing``, ``code``, ``details``,
 ``cancel``). Its ``encode_chunk`` (on a sender thread) writes a chunk message straight into a
-free slot, with the GIL released, and ``write_chunks`` (on that thread) or ``write`` then sends
-only the slot's number: no chunk byte is copied by gRPC in this process.
+free slot, with the GIL released, and ``write_chunks`` (on that thread) then sends only the
+slot's number: no chunk byte is copied by gRPC in this process.
 
 A slot is taken by the thread that fills it and given back by the send process once it has
 copied the bytes out (or by the call, for a slot filled but never written). If the process
@@ -90,13 +90,10 @@ class SlotPool:
 
 @dataclass(frozen=True)
 class SlotMessage:
-    """An encoded message waiting in a slot; ``len()`` is its size, as for ``bytes``."""
+    """An encoded message waiting in a slot."""
 
     slot: int
     nbytes: int
-
-    def __len__(self) -> int:
-        return self.nbytes
 
 
 class ProcessCall:
@@ -135,7 +132,10 @@ class ProcessCall:
         here at the next message)."""
         sent = 0
         for message in messages:
-            self._take_unsent(message)
+            with self._lock:
+                if message.slot not in self._unsent:
+                    raise self._ended_error()
+                self._unsent.discard(message.slot)
             try:
                 self._child.wire.send("slot", self._id, message.slot, message.nbytes)
             except WireClosed:
@@ -145,21 +145,12 @@ class ProcessCall:
             sent += message.nbytes
         return sent
 
-    def _take_unsent(self, message: SlotMessage) -> None:
-        with self._lock:
-            if message.slot not in self._unsent:
-                raise self._ended_error()
-            self._unsent.discard(message.slot)
-
     # --- on the event loop
-    async def write(self, message) -> None:
-        if isinstance(message, SlotMessage):
-            self._take_unsent(message)
-            self._send("slot", self._id, message.slot, message.nbytes)
-        else:
-            if self._closed.is_set():
-                raise self._ended_error()
-            self._send("write", self._id, bytes(message))
+    async def write(self, message: bytes) -> None:
+        """Write a message that is not a chunk (a header, a trailer, pool copies) as bytes."""
+        if self._closed.is_set():
+            raise self._ended_error()
+        self._send("write", self._id, bytes(message))
 
     async def done_writing(self) -> None:
         if not self._closed.is_set():

@@ -89,6 +89,11 @@ async def encode_on_thread(call, i: int) -> SlotMessage:
     return await asyncio.to_thread(call.encode_chunk, "kv", i, 10 * i, chunk_data(i))
 
 
+async def write_on_thread(call, *messages: SlotMessage) -> int:
+    """``write_chunks`` on a thread, as a prefill worker's sender thread calls it."""
+    return await asyncio.to_thread(call.write_chunks, messages)
+
+
 def run(scenario):
     return asyncio.run(asyncio.wait_for(scenario(), 60))
 
@@ -101,7 +106,7 @@ def test_writes_arrive_in_order_and_the_replies_come_back():
             assert await call.read() == b"accepted"
             # more chunks than slots: each waits for one the process has copied out
             for i in range(9):
-                await call.write(await encode_on_thread(call, i))
+                await write_on_thread(call, await encode_on_thread(call, i))
             await call.write(b"trailer")
             await call.done_writing()
             assert await call.read() == b"ack"
@@ -127,7 +132,7 @@ def test_a_refusal_comes_back_as_the_receivers_status():
                 await call.read()
             # a later chunk is refused with the same status, its slot given back
             with pytest.raises(grpc.aio.AioRpcError) as later:
-                await call.write(await encode_on_thread(call, 1))
+                await write_on_thread(call, await encode_on_thread(call, 1))
             await asyncio.sleep(0.05)
             return err.value, later.value, await call.code(), process.free_slots
 
@@ -141,14 +146,14 @@ def test_cancel_reaches_the_receiver_and_gives_back_unwritten_slots():
     async def scenario():
         sink = Sink("hold")
         async with opened(sink, slots=3) as (process, call):
-            await call.write(await encode_on_thread(call, 1))
+            await write_on_thread(call, await encode_on_thread(call, 1))
             unwritten = await encode_on_thread(call, 2)  # filled, never written
             while len(sink.received) < 2:
                 await asyncio.sleep(0.01)
             assert call.cancel()
             await sink.ended.wait()
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await call.write(unwritten)
+                await write_on_thread(call, unwritten)
             await asyncio.sleep(0.05)
             return sink, err.value, await call.code(), process.free_slots
 
@@ -175,7 +180,7 @@ def test_a_killed_process_fails_its_calls_and_the_next_call_starts_another():
                 call = process.call(other, METHOD, 30.0, bytes)
                 await call.write(b"header")
                 assert await call.read() == b"accepted"
-                await call.write(await encode_on_thread(call, 0))
+                await write_on_thread(call, await encode_on_thread(call, 0))
                 await call.done_writing()
                 assert await call.read() == b"ack"
                 await asyncio.sleep(0.05)
