@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.shapes import QWEN3_5_4B_DRAFT, shape_config
+from benchmarks.shapes import DRAFTS, shape_config
 from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
@@ -44,8 +44,8 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def build(kernels: str, with_draft: bool, shape: str = "qwen3.5-4b"):
-    if with_draft and shape != "qwen3.5-4b":
-        raise ValueError("the DFLASH part has a draft for the qwen3.5-4b shape only")
+    if with_draft and shape not in DRAFTS:
+        raise ValueError(f"no draft for the shape {shape!r}; shapes with one: {sorted(DRAFTS)}")
     config = shape_config(shape)
     with torch.device("cuda"):
         model = model_class_for(config)(config, kernels=select_kernels(kernels))
@@ -53,7 +53,7 @@ def build(kernels: str, with_draft: bool, shape: str = "qwen3.5-4b"):
     draft = None
     if with_draft:
         with torch.device("cuda"):
-            draft = DFlashDraftModel(DFlashConfig.from_dict(dict(QWEN3_5_4B_DRAFT),
+            draft = DFlashDraftModel(DFlashConfig.from_dict(dict(DRAFTS[shape]),
                                                             target=config),
                                      dtype=model.dtype, kernels=model.kernels)
         fill_draft_deterministic(draft.named_parameters(), seed=2, device="cuda")

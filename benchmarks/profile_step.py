@@ -18,6 +18,7 @@
     python -m benchmarks.profile_step --model qwen3.5-35b-a3b          # MoE decode (no DFLASH)
     python -m benchmarks.profile_step --device cpu --model tiny      # a quick run on the CPU
     python -m benchmarks.profile_step --model pycoder --draft pycoder  # a trained pair
+    python -m benchmarks.profile_step --model pycoder-large            # its larger pair's shape
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.decode import build, engine_for, fill_batch
-from benchmarks.shapes import SHAPES
+from benchmarks.shapes import DRAFTS, SHAPES
 from common.engine import speculative
 from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
@@ -192,8 +193,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="qwen3.5-4b",
-                   help="a benchmarks/shapes.py name (random weights; DFLASH for qwen3.5-4b "
-                        "only, the draft's shape), tiny, or a checkpoint (a built-in name "
+                   help="a benchmarks/shapes.py name (random weights; DFLASH for those with a "
+                        "draft in its DRAFTS: qwen3.5-4b, pycoder-large), tiny, or a checkpoint (a built-in name "
                         "such as pycoder, or a directory) with --draft")
     p.add_argument("--draft", default="",
                    help="the DFLASH draft of a checkpoint --model (a built-in name or a "
@@ -214,9 +215,8 @@ def main(argv=None) -> int:
         prompt_len, vocab = 24, 250
     else:
         if args.model in SHAPES:
-            model, draft = build(kernels, with_draft=args.model == "qwen3.5-4b",
-                                 shape=args.model)
-            prompt_len, vocab = 512, None
+            model, draft = build(kernels, with_draft=args.model in DRAFTS, shape=args.model)
+            prompt_len, vocab = 512, model.config.vocab_size
         else:
             model, draft = load_pair(args.model, args.draft, kernels, args.device)
             prompt_len, vocab = 128, model.config.vocab_size

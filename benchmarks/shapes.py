@@ -1,6 +1,10 @@
-"""Released model geometries (from their config.json files) for benchmarks with random weights."""
+"""Model geometries for benchmarks with random weights: released models (from their config.json
+files) and the larger trained pair of docs/training.md."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from common.config import ModelConfig
 from common.model.family_registry import parse_model_config
@@ -49,8 +53,17 @@ QWEN3_5_397B_A17B = {
     "tie_word_embeddings": False,
 }
 
+# The larger trained pair of docs/training.md (about 280M parameters: the shape training reads
+# from large_target_arch.json, with the built-in tokenizer's vocabulary), so that its steps can
+# be timed with random weights, without training it first.
+PYCODER_LARGE = {
+    **json.loads((Path(__file__).parent / "large_target_arch.json").read_text()),
+    "model_type": "qwen3_5_text", "vocab_size": 8192, "dtype": "bfloat16",
+}
+
 SHAPES = {"qwen3.5-4b": QWEN3_5_4B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
-          "qwen3.5-122b-a10b": QWEN3_5_122B_A10B, "qwen3.5-397b-a17b": QWEN3_5_397B_A17B}
+          "qwen3.5-122b-a10b": QWEN3_5_122B_A10B, "qwen3.5-397b-a17b": QWEN3_5_397B_A17B,
+          "pycoder-large": PYCODER_LARGE}
 
 
 def shape_config(name: str) -> ModelConfig:
@@ -69,3 +82,17 @@ QWEN3_5_4B_DRAFT = {
     "num_target_layers": 32, "block_size": 16,
     "dflash_config": {"mask_token_id": 248070},
 }
+
+# The larger pair's draft as train-draft makes it by default: 2 layers of the target's width,
+# its attention heads, target layers 1 and 17 by z-lab's rule for 20 target layers.
+PYCODER_LARGE_DRAFT = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 1024,
+    "intermediate_size": 3072, "num_hidden_layers": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "attention_bias": False, "hidden_act": "silu", "vocab_size": 8192,
+    "num_target_layers": 20, "block_size": 16,
+    "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 17]},
+}
+
+# the shapes that have a draft for DFLASH benchmarks with random weights
+DRAFTS = {"qwen3.5-4b": QWEN3_5_4B_DRAFT, "pycoder-large": PYCODER_LARGE_DRAFT}
