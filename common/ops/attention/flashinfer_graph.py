@@ -64,6 +64,16 @@ class FlashInferGraphAttention:
         self.indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=device)
         self.indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
         self.last_page_len = torch.ones(batch_size, dtype=torch.int32, device=device)
+        # A plan's page description is written to pinned host memory, and its page indices
+        # are copied into ``indices`` here, without waiting: given host indices the wrapper
+        # copies them with a blocking copy, a stream synchronisation, so the host would wait
+        # there for every kernel queued before the plan (a verify's draft, or the step before
+        # under overlap scheduling) and the GPU would then idle through the rest of the plan.
+        self._pinned = device.type == "cuda"
+        host = torch.zeros(2 * batch_size + 1, dtype=torch.int32, pin_memory=self._pinned)
+        self._host_indptr, self._host_last = torch.split(host, [batch_size + 1, batch_size])
+        self._host_indices = torch.zeros(0, dtype=torch.int32)  # grown to what plans need
+        self._copied: torch.cuda.Event | None = None  # after the last plan's copies
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             float_workspace, "NHD", use_cuda_graph=True,
             use_tensor_cores=(decode_uses_tensor_cores(num_qo_heads, num_kv_heads, q_len)
@@ -80,14 +90,27 @@ class FlashInferGraphAttention:
         if any(s < self.q_len for s in seq_lens):
             raise ValueError(f"every row needs at least q_len = {self.q_len} tokens")
         indptr, indices, last = page_layout(page_ids, seq_lens, self.page_size)
-        if len(indices) > self.indices.numel():
-            raise ValueError(f"{len(indices)} pages exceed the plan's {self.indices.numel()}")
+        n = len(indices)
+        if n > self.indices.numel():
+            raise ValueError(f"{n} pages exceed the plan's {self.indices.numel()}")
+        if self._copied is not None:
+            self._copied.synchronize()  # the last plan's copies have read the host buffers
+        if n > self._host_indices.numel():
+            self._host_indices = torch.zeros(min(max(2 * n, 1024), self.indices.numel()),
+                                             dtype=torch.int32, pin_memory=self._pinned)
+        self._host_indptr.numpy()[:] = indptr
+        self._host_last.numpy()[:] = last
+        self._host_indices.numpy()[:n] = indices
+        self.indices[:n].copy_(self._host_indices[:n], non_blocking=True)
         h, kvh, d = self.heads
-        self.wrapper.plan(torch.tensor(indptr, dtype=torch.int32),
-                          torch.tensor(indices, dtype=torch.int32),
-                          torch.tensor(last, dtype=torch.int32), h, kvh, d, self.page_size,
-                          q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
-                          q_len_per_req=self.q_len, non_blocking=True)
+        # the wrapper plans from the rows' lengths on the host; its own copy of the indices
+        # (into the buffer they are already in) is left out by torch as a copy onto itself
+        self.wrapper.plan(self._host_indptr, self.indices[:n], self._host_last, h, kvh, d,
+                          self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
+                          sm_scale=self.scale, q_len_per_req=self.q_len, non_blocking=True)
+        if self._pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """[batch_size * q_len, H, D] queries -> outputs of the same shape."""
