@@ -195,13 +195,13 @@ async def send_over_tcp(handoff, payload: HandoffPayload, connections,
                         host: str, executor, num_connections: int) -> None:
     """The ``tcp`` transport as the prefill worker runs it: header and trailer on the call,
     the chunks written as frames on a sender thread (``prefill_service/tcp_connections.py``)."""
-    from prefill_service.handoff_sender import _reply
+    from prefill_service.handoff_stream import read_reply
     from prefill_service.tcp_connections import send_chunks
 
     header, chunks, trailer = frame_parts(payload)
     call = handoff(timeout=600.0)
     await call.write(header)
-    accepted = (await _reply(call, "accepted")).accepted
+    accepted = (await read_reply(call, "accepted")).accepted
     if not accepted.tcp_port:
         raise RuntimeError("the decode service offered no TCP listener")
 
@@ -215,7 +215,7 @@ async def send_over_tcp(handoff, payload: HandoffPayload, connections,
     count = await asyncio.get_running_loop().run_in_executor(executor, send)
     await call.write(trailer(count))
     await call.done_writing()
-    await _reply(call, "ack")
+    await read_reply(call, "ack")
 
 
 async def measure(address: str, config: ModelConfig, lengths, repeats: int,

@@ -1,5 +1,5 @@
 """Rank 0's part of one handoff's per-rank streams on a prefill worker: everything
-:class:`~prefill_service.handoff_sender.HandoffStream` does for them, between the header it
+:class:`~prefill_service.handoff_stream.HandoffStream` does for them, between the header it
 offers them in and the trailer.
 
 - :func:`take_plan`: from the decode worker's ``accepted`` reply (one listener port per

@@ -2,7 +2,7 @@
 
 :class:`SendProcess` starts the process with a socket pair and a shared memory file of
 ``slots`` slots; :meth:`SendProcess.call` opens a stream-stream call there and returns a
-:class:`ProcessCall`, which a :class:`~prefill_service.handoff_sender.HandoffStream` uses as it
+:class:`ProcessCall`, which a :class:`~prefill_service.handoff_stream.HandoffStream` uses as it
 would a ``grpc.aio`` call (``write``, ``read``, ``done_writing``, ``code``, ``details``,
 ``cancel``). Its ``encode_chunk`` (on a sender thread) writes a chunk message straight into a
 free slot, with the GIL released, and ``write_chunks`` (on that thread) then sends only the

@@ -1,7 +1,7 @@
 """The Prefill servicer: wire format in, engine future awaited, handoff streamed to decode.
 
 Thin by design: validation and protobuf conversion here, model work on the engine thread, the
-byte stream in ``prefill_service/handoff_sender.py``.
+byte stream in ``prefill_service/handoff_stream.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from common.handoff.parts import HeaderPart
 from common.logprobs import TokenLogprobs
 from prefill_service.engine import (FirstToken, PrefillAborted, PrefillEngine, PrefillJob,
                                     StateReady)
-from prefill_service.handoff_sender import HandoffSender, HandoffTransportError
+from prefill_service.handoff_sender import HandoffSender
+from prefill_service.handoff_stream import HandoffTransportError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from common.handoff.stream import split_payload
 from common.handoff.tcp_frames import frame_header, hello
 from common.pb.flashsplit.v1 import decode_pb2, types_pb2
 from decode_service import chunk_landings
-from prefill_service.handoff_sender import HANDOFF_METHOD, _reply
+from prefill_service.handoff_sender import HANDOFF_METHOD
+from prefill_service.handoff_stream import read_reply
 from prefill_service.tcp_connections import TcpConnections, send_chunks
 from tests.decode_service.test_handoff_validation import (EXPECTED, DecodeHarness, mutate, run,
                                                           tiny)  # noqa: F401
@@ -39,7 +40,7 @@ async def _opened(h: DecodeHarness, header):
     """A raw call that has written ``header``, and the decode worker's acceptance."""
     call = _raw_call(h)
     await call.write(_wire(header))
-    return call, (await _reply(call, "accepted")).accepted
+    return call, (await read_reply(call, "accepted")).accepted
 
 
 def _raw_connection(port: int) -> socket.socket:
@@ -93,7 +94,7 @@ async def send_over_tcp(h: DecodeHarness, parts, connections: TcpConnections, *,
                               tcp_chunks=sent if tcp_chunks is None else tcp_chunks)
     await call.write(_wire(trailer))
     await call.done_writing()
-    return (await _reply(call, "ack")).ack
+    return (await read_reply(call, "ack")).ack
 
 
 def test_a_handoff_over_tcp_decodes_and_returns_its_room(tiny):
@@ -182,7 +183,7 @@ def test_a_connection_that_breaks_inside_a_frame_is_data_loss(tiny):
                                                tcp_chunks=len(chunks))))
             await call.done_writing()
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await _reply(call, "ack")
+                await read_reply(call, "ack")
             assert err.value.code() == grpc.StatusCode.DATA_LOSS, err.value.details()
             assert "connection" in err.value.details()
             assert await h.free() == before
@@ -238,7 +239,7 @@ def test_a_quiet_stream_whose_chunks_come_over_tcp_is_not_idle(tiny):
             await call.write(_wire(TrailerPart(trailer.checksums, trailer.first_token,
                                                tcp_chunks=len(chunks))))
             await call.done_writing()
-            await _reply(call, "ack")
+            await read_reply(call, "ack")
             for _ in range(100):
                 if await h.free() == before:
                     break
@@ -293,7 +294,7 @@ def test_a_handoff_aborted_with_frames_queued_gives_every_buffer_back(tiny, monk
             assert pool.num_buffers == 4
             gate.set()
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await _reply(call, "ack")
+                await read_reply(call, "ack")
             assert err.value.code() == grpc.StatusCode.ABORTED, err.value.details()
             assert await h.free() == before
             await buffers_back(h)

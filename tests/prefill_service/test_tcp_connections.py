@@ -13,7 +13,7 @@ import pytest
 
 from common.pb.flashsplit.v1 import decode_pb2
 from decode_service.tcp_listener import TcpHandoffListener
-from prefill_service.handoff_sender import (SECOND_TCP_CONNECTION_BYTES, HandoffStream,
+from prefill_service.handoff_stream import (SECOND_TCP_CONNECTION_BYTES, HandoffStream,
                                             HandoffTransportError, tcp_connections_for)
 from prefill_service.tcp_connections import TcpConnections
 from common.handoff.stream import header_of
