@@ -164,18 +164,17 @@ async def send_through_process(process, address: str, payload: HandoffPayload,
     trailer."""
     from common.pb.flashsplit.v1 import decode_pb2
     from prefill_service.handoff_sender import HANDOFF_METHOD
+    from prefill_service.handoff_stream import read_reply
 
     call = process.call(address, HANDOFF_METHOD, 600.0, decode_pb2.HandoffReply.FromString)
     header, chunks, trailer = encoded_parts(payload, chunk_bytes, call.encode_chunk)
     await call.write(header)
-    if (await call.read()).WhichOneof("reply") != "accepted":
-        raise RuntimeError("the decode service did not accept the handoff")
+    await read_reply(call, "accepted")
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(executor, call.write_chunks, chunks)
     await call.write(trailer())
     await call.done_writing()
-    if (await call.read()).WhichOneof("reply") != "ack":
-        raise RuntimeError("the decode service did not acknowledge the handoff")
+    await read_reply(call, "ack")
 
 
 TCP_FRAME_BYTES = 8 << 20  # the K or V half of a StateReader piece of 16 MiB

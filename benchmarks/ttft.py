@@ -126,8 +126,8 @@ def transport_args(spec: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     transport, or ``tcp:N`` for ``tcp`` with N connections per handoff; either may go on with
     ``+process`` or ``+thread`` (the prefill worker's ``--handoff-sender``) and end in
     ``/late`` (the router's flags: ``router_args``)."""
-    spec, _, sender = spec.removesuffix(LATE).partition("+")
-    name, _, connections = spec.partition(":")
+    base, _, sender = spec.removesuffix(LATE).partition("+")
+    name, _, connections = base.partition(":")
     prefill: tuple[str, ...] = ("--handoff-sender", sender) if sender else ()
     if not connections:
         return ("--handoff-transport", name), prefill

@@ -237,7 +237,6 @@ class HandoffStream:
         if self.by_send_process:
             # encoded into the send process's slots and their numbers written by the reading
             # thread itself: no chunk passes through this event loop either
-            loop = asyncio.get_running_loop()
             self.bytes_sent += await loop.run_in_executor(
                 self._executor, lambda: self._call.write_chunks(self._reader.read(
                     ready, ranges, states, self._prompt, self._ledgers,

@@ -55,7 +55,7 @@ class Wire:
             raise WireClosed(f"a wire message of {length} bytes: the other end is broken")
         return msgpack.unpackb(self._exactly(length), raw=False)
 
-    def _exactly(self, n: int) -> bytes:
+    def _exactly(self, n: int) -> bytearray:
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -67,7 +67,7 @@ class Wire:
             if read == 0:
                 raise WireClosed("the other end closed the socket")
             got += read
-        return bytes(buf)
+        return buf
 
     def close(self) -> None:
         try:
