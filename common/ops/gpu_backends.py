@@ -26,6 +26,10 @@ Every set maps registry op names to backend names; ops a set leaves out use "ref
 - ``gpu-fla``: as ``gpu`` but with fla's chunked prefill, for machines whose FlashInfer lacks
   the CuTe-DSL libraries its GDN kernels need.
 - ``gpu-no-pdl``: as ``gpu`` but those kernels launch plainly; the baseline that measures PDL.
+- ``gpu-triton-attention``: as ``gpu`` but paged attention is our Triton kernel
+  (``common/ops/attention/paged_triton.py``), whose CUDA-graph plans read no length on the
+  host (FlashInfer's do), so nothing is planned on the host before a verify's replay; not yet
+  timed against FlashInfer on a GPU (docs/kernels.md).
 
 The GPU sets also use our Triton RMSNorm / gated RMSNorm, GDN gates and RoPE: one launch per
 call where the reference's elementwise torch code launches 6-10 kernels; likewise the fused
@@ -79,6 +83,7 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
     "gpu": {**_GPU, **_PDL},
     "gpu-fla": {**_GPU, **_PDL, "chunk_gated_delta_rule": "fla"},
     "gpu-no-pdl": _GPU,
+    "gpu-triton-attention": {**_GPU, **_PDL, "paged_attention": "triton"},
     "cpu": {op: CPU_BACKEND for op in CPU_OPS},
 }
 

@@ -87,6 +87,12 @@ GRAPH_CAPABILITIES: dict[str, dict[str, GraphCapability]] = {
         "flashinfer": GraphCapability(
             graph_attention="common.ops.attention.flashinfer_graph:graph_attention",
             graph_dtypes=("float16", "bfloat16"), graph_head_dims=(64, 128, 256)),
+        # our Triton kernel finds each row's length on the device: its plans are buffer
+        # updates, with nothing scheduled on the host (head dims up to 256: its plans refuse
+        # wider ones)
+        "triton": GraphCapability(
+            graph_attention="common.ops.attention.triton_graph:graph_attention",
+            graph_dtypes=("float32", "float16", "bfloat16")),
         # lengths and pages read on the host, as the reference does
         CPU_BACKEND: GraphCapability(capturable=False),
     },

@@ -24,8 +24,8 @@ synchronises the stream after that concatenation.
 A kernel launched without PDL (cuBLAS, FlashInfer, torch) is ordered as usual; a PDL kernel
 after it simply starts when it ends. CUDA-graph capture records the launches as programmatic
 edges. These kernels are chosen as the ``triton-pdl`` backends of their ops (kernel sets
-``gpu`` and ``gpu-fla``; ``gpu-no-pdl`` leaves them out); under ``TRITON_INTERPRET=1`` or
-before SM90 they launch as plain kernels.
+``gpu``, ``gpu-fla`` and ``gpu-triton-attention``; ``gpu-no-pdl`` leaves them out); under
+``TRITON_INTERPRET=1`` or before SM90 they launch as plain kernels.
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ GPU_OPS: dict[str, dict[str, str]] = {
     "conv1d_update_in_place": {"triton": "common.ops.conv1d.triton"},
     "gdn_commit_in_place": {"triton": "common.ops.gdn.commit_triton"},
     "gdn_verify": {"triton": "common.ops.gdn.verify_triton"},
-    "paged_attention": {"flashinfer": "common.ops.attention.flashinfer"},
+    "paged_attention": {"flashinfer": "common.ops.attention.flashinfer",
+                        "triton": "common.ops.attention.paged_triton"},
     "draft_block_attention": {"triton": "common.ops.attention.draft_triton"},
     # PDL_BACKEND entries: the module's Triton op called with pdl=True (default_registry)
     "rms_norm": {"triton": "common.ops.norm.triton",

@@ -145,6 +145,28 @@ def test_replay_gives_eager_tokens(models, speculative):
         assert [r.accept_lengths for r in got] == [r.accept_lengths for r in want]
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["decode", "dflash"])
+def test_triton_attention_replays_give_its_eager_tokens(models, speculative):
+    """The ``gpu-triton-attention`` set: decode and verify graphs whose attention plans are
+    buffer updates (no host schedule) replay the tokens of the same plans run uncaptured."""
+    from common.model.kernels import Kernels
+    from common.ops.gpu_backends import backends_for
+
+    model, draft = models
+    draft = draft if speculative else None
+    params = [SamplingParams(temperature=0.0, max_new_tokens=12 + 5 * i, ignore_eos=True)
+              for i in range(len(LENGTHS))]
+    with kernels_of(model, Kernels.select(backends_for("gpu-triton-attention"))):
+        want = _engine(model, draft, graphs=True, capture=False).generate(_prompts(), params)
+        engine = _engine(model, draft, graphs=True)
+        runner = engine.speculator.verify_graphs if speculative else engine.runner.graphs
+        assert runner.captured and type(runner.attention[1]).__name__ == "TritonGraphAttention"
+        free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
+        got = engine.generate(_prompts(), params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
+
+
 def test_replay_logits_match_eager(models, record_metric):
     model, _ = models
     engines = [_engine(model, None, graphs=g) for g in (False, True)]

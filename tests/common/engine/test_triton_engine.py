@@ -64,7 +64,8 @@ def test_every_triton_op_is_in_use():
     assert {op for op, b in chosen.items() if b == "triton"} >= {
         "gdn_decode_in_place", "conv1d_update_in_place", "gdn_verify", "gdn_commit_in_place",
         "qk_norm_rope_store", "sigmoid_gate_mul", "draft_block_attention", "add_rms_norm",
-        "rms_norm", "gated_rms_norm", "silu_and_mul", "store_paged_kv", "linear"}
+        "rms_norm", "gated_rms_norm", "silu_and_mul", "store_paged_kv", "linear",
+        "paged_attention"}
 
 
 def test_triton_kernels_give_the_reference_tokens():

@@ -83,6 +83,24 @@ def _specs() -> dict[str, tuple[str, str, dict, dict]]:
                 "common.ops.gdn.replay_triton", "replay_kernel", replay_args,
                 dict(HK=2, HV=4, K=128, V=128, BK=128, BV=8, W=width, THRESHOLD=20.0,
                      USE_CU=cu, OUTPUT=output, STORE=not output))
+    # paged attention with lengths on the device: a verify's rows in key slices, a decode's
+    # in one, and the merge of the slices
+    attention = "common.ops.attention.paged_triton"
+    paged_args = dict(q=P, kc=P, vc=P, table="*i32", row_start="*i32", work_req="*i32",
+                      work_q0="*i32", q_start="*i32", q_count="*i32", kv_len="*i32", o=P,
+                      part_o="*fp32", part_lse="*fp32", sq_t=I32, sq_h=I32, skc_p=I32,
+                      skc_s=I32, skc_h=I32, svc_p=I32, svc_s=I32, svc_h=I32, page_step=I32,
+                      so_t=I32, so_h=I32, H=I32, D=I32, qk_scale=F32)
+    specs["paged_attention_verify_splits"] = (
+        attention, "_paged_attention_kernel", paged_args,
+        dict(PAGE=16, G=4, HPP=4, BQ=16, M=64, BD=128, BN=64, SPLITS=8, PREC="tf32"))
+    specs["paged_attention_decode"] = (
+        attention, "_paged_attention_kernel", paged_args,
+        dict(PAGE=16, G=8, HPP=8, BQ=1, M=16, BD=256, BN=32, SPLITS=1, PREC="tf32"))
+    specs["paged_attention_combine"] = (
+        attention, "_combine_kernel",
+        dict(part_o="*fp32", part_lse="*fp32", o=P, so_t=I32, so_h=I32, H=I32, D=I32),
+        dict(SPLITS=8, BS=8, BD=128))
     return specs
 
 

@@ -40,7 +40,7 @@ def test_backend_sets_name_registered_backends():
     assert chosen["linear"] == "triton-pdl" and chosen["sparse_moe"] == "triton"
     plain = gpu_backends.chosen_backends("gpu-no-pdl")
     assert plain["linear"] == "triton" and plain["paged_attention"] == "flashinfer"
-    with pytest.raises(ValueError, match="known: cpu, gpu, gpu-fla, gpu-no-pdl, reference"):
+    with pytest.raises(ValueError, match="known: cpu, gpu, gpu-fla, gpu-no-pdl, gpu-triton-attention, reference"):
         gpu_backends.backends_for("fast")
     assert gpu_backends.set_for_device("auto", "cuda:1") == "gpu"
     assert gpu_backends.set_for_device("auto", "cpu") == "cpu"

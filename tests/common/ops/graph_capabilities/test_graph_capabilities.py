@@ -85,6 +85,15 @@ def test_the_reference_set_is_not_capturable():
     assert dense.max_tokens is None and dense.not_capturable == ()
 
 
+def test_the_triton_attention_set_plans_graphs_of_any_float_dtype():
+    chosen = _chosen("gpu-triton-attention")
+    for dtype, head_dim in ((torch.bfloat16, 128), (torch.float32, 32), (None, None)):
+        support = graph_support(chosen, dtype, head_dim)
+        assert support.attention_backend == "triton"
+        assert support.graph_attention == "common.ops.attention.triton_graph:graph_attention"
+    assert graph_support(chosen, torch.float64, 128).graph_attention is None
+
+
 def test_attention_plans_on_the_host_unless_capture_is_asked():
     from common.ops.attention.reference import paged_attention
 
@@ -95,7 +104,8 @@ def test_attention_plans_on_the_host_unless_capture_is_asked():
                     page_size=4, max_pages=9, dtype=torch.float32, scale=0.5)
         assert isinstance(plan, TorchPlannedAttention) and plan.fn is paged_attention
         assert (plan.q_len, plan.scale) == (2, 0.5)
-    with pytest.raises(ValueError, match=r"capturable attention backend \(flashinfer\), not "
+    with pytest.raises(ValueError,
+                       match=r"capturable attention backend \(flashinfer, triton\), not "
                                          r"'reference'"):
         graph_support(_chosen("reference")).attention_plans(paged_attention, CPU, capture=True)
 
