@@ -59,6 +59,9 @@ class TauConfig:
     # CudaGraphConfig.commit_graphs: False launches a greedy step's acceptance and commit one
     # by one after the verify graph (the baseline of the commit graphs)
     commit_graphs: bool = True
+    # CudaGraphConfig.draft_ahead: False launches each step's draft after the previous step
+    # is read (the baseline of the draft launched ahead)
+    draft_ahead: bool = True
 
 
 @dataclass
@@ -115,7 +118,8 @@ class _Engines:
                     scheduler=SchedulerConfig(max_running_requests=running,
                                               max_prefill_tokens=max(2048, c.prompt_tokens)),
                     cuda_graph=CudaGraphConfig(max_batch_size=running,
-                                               commit_graphs=c.commit_graphs)),
+                                               commit_graphs=c.commit_graphs,
+                                               draft_ahead=c.draft_ahead)),
                 self.eos, draft=self.draft if block else None, block_size=block)
             if torch.device(c.device).type == "cuda":
                 engine.warmup()
@@ -252,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-commit-graphs", dest="commit_graphs", action="store_false",
                    help="launch a greedy step's acceptance and GDN commit one by one (the "
                         "baseline of the commit graphs)")
+    p.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
+                   help="launch each step's draft after the previous step is read (the "
+                        "baseline of the draft launched ahead)")
     args = p.parse_args(argv)
     config = TauConfig(
         model=args.model, draft=args.draft, data=args.data,
@@ -260,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
         speed_batches=tuple(int(b) for b in _floats(args.speed_batches)),
         device=args.device, kernels=args.kernels, seed=args.seed, dtype=args.dtype,
-        commit_graphs=args.commit_graphs)
+        commit_graphs=args.commit_graphs, draft_ahead=args.draft_ahead)
     report = run_tau(config)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

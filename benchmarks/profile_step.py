@@ -208,6 +208,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-commit-graphs", dest="commit_graphs", action="store_false",
                    help="launch a greedy DFLASH step's acceptance and GDN commit one by one "
                         "(the baseline of the commit graphs)")
+    p.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
+                   help="launch each DFLASH step's draft after the previous step is read (the "
+                        "baseline of the draft launched ahead)")
     args = p.parse_args(argv)
     kernels = set_for_device(args.kernels, args.device)
     if args.model == "tiny":
@@ -224,7 +227,7 @@ def main(argv=None) -> int:
         plain = engine_for(model, None, max_running=running, graphs=graphs, device=args.device)
         spec = None if draft is None else engine_for(
             model, draft, block_size=args.block_size, max_running=running, graphs=graphs,
-            device=args.device, commit_graphs=args.commit_graphs)
+            device=args.device, commit_graphs=args.commit_graphs, draft_ahead=args.draft_ahead)
     for engine in (plain, spec):
         if engine is not None:
             fill_batch(engine, args.batch, prompt_len, 400, vocab=vocab)

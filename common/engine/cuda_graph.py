@@ -57,6 +57,11 @@ class CudaGraphConfig:
         commit_graphs: a greedy DFLASH step's acceptance and GDN commit replay from a graph
             of their own after the verify graph (``common/engine/commit_graph.py``); False
             launches them one by one, the baseline it is measured against.
+        draft_ahead: after a greedy step's commit graph, launch the next step's draft (from
+            the bonus token and committed lengths on the device) before the host reads the
+            step, so the draft runs while the host takes in the step and prepares the verify
+            (``DraftGraphRunner.run_next``); used when the next step has the same requests.
+            False: the draft is launched after the read, the baseline it is measured against.
         tensor_parallel: capture graphs of a tensor-parallel model too, NCCL collectives
             inside them (``--tp-cuda-graphs``). Off by default: it has not run on several GPUs
             yet (docs/tensor_parallel.md); the uncaptured variant (``capture=False``) needs no
@@ -67,6 +72,7 @@ class CudaGraphConfig:
     max_batch_size: int = 256
     capture: bool = True
     commit_graphs: bool = True
+    draft_ahead: bool = True
     tensor_parallel: bool = False
 
     def batch_sizes(self, max_running: int) -> tuple[int, ...]:

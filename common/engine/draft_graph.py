@@ -71,11 +71,14 @@ class DraftGraphRunner:
         if n:
             self._host[0, :n] = torch.tensor(list(last_tokens), dtype=torch.int64)
             self._host[1, :n] = torch.tensor(list(starts), dtype=torch.int64)
-            table = page_table(pages)
-            self.page_table[:n, :table.shape[1]].copy_(table, non_blocking=True)
+            self._write_pages(pages)
         # padding rows (start 0) read no page, so their table rows may hold anything
         self.blocks[:, 0].copy_(self._host[0], non_blocking=True)
         self.starts.copy_(self._host[1], non_blocking=True)
+
+    def _write_pages(self, pages: Sequence[Sequence[int]]) -> None:
+        table = page_table(pages)
+        self.page_table[:len(pages), :table.shape[1]].copy_(table, non_blocking=True)
 
     def capture(self, progress: bool = True) -> None:
         if self.captured:
@@ -84,6 +87,27 @@ class DraftGraphRunner:
             self.batch_sizes, prepare=lambda bs: self._fill([], [], []), forward=self._forward,
             label="draft graphs", progress=progress)
         self.captured = True
+
+    def run_next(self, bonus: torch.Tensor, lengths: torch.Tensor,
+                 pages: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Launch the proposal of the step after the one whose blocks this runner last
+        proposed (:meth:`run` or :meth:`run_next`), for the same rows, before the host has read
+        that step: each row's block starts where the step's commit left it (its start plus the
+        committed ``lengths[r]``, on the device) with the step's ``bonus[r]`` token, over
+        ``pages[r]``, the pages of the step's verified block (they cover the new context).
+        Returns the proposals ``[n, B-1]`` as :meth:`run` does; valid while no other run of
+        the same batch size follows."""
+        n = len(pages)
+        bs = self.padded_size(n)
+        self._write_pages(pages)
+        self.blocks[:n, 0].copy_(bonus[:n])
+        self.starts[:n].add_(lengths[:n])  # padding rows keep start 0: they read no page
+        if self.capture_graphs:
+            self.graphs[bs].replay()
+            out = self.outputs[bs]
+        else:
+            out = self.outputs[bs] = self._forward(bs)
+        return out[:n]
 
     def run(self, requests: Sequence[Request], pages: Sequence[Sequence[int]]) -> torch.Tensor:
         """Proposals ``[n, B-1]`` (int64, on the device; a view valid until the next run) for

@@ -40,6 +40,24 @@ class StepOutcome:
     logprobs: list[TokenLogprobs] | None = None
 
 
+@dataclass(frozen=True)
+class _DraftAhead:
+    """A proposal launched before its step (``DraftGraphRunner.run_next``), and the rows it
+    assumed: used only by a step of the same requests, in the same order, each where the
+    previous step left it."""
+
+    requests: tuple[Request, ...]
+    starts: tuple[int, ...]
+    last_tokens: tuple[int, ...]
+    drafts: torch.Tensor
+
+    def fits(self, requests: list[Request]) -> bool:
+        return (len(requests) == len(self.requests)
+                and all(r is a and r.num_cached == s and r.output_ids[-1] == t
+                        for r, a, s, t in zip(requests, self.requests, self.starts,
+                                              self.last_tokens)))
+
+
 class DFlashSpeculator:
     """Owns the draft and its context pool (same page ids as the target's KV pool).
 
@@ -83,6 +101,8 @@ class DFlashSpeculator:
             state_pool.reserve_verify(max_requests, self.block_size)
         self.stats = {"spec_steps": 0, "spec_committed_tokens": 0, "spec_drafted_tokens": 0}
         self.verify_graphs = self.draft_graphs = self.commit_graphs = None
+        self.draft_ahead = graphs is not None and graphs.draft_ahead
+        self._ahead: _DraftAhead | None = None
         tokens = self.VERIFY_GRAPH_TOKENS if max_graph_tokens is None \
             else min(self.VERIFY_GRAPH_TOKENS, max_graph_tokens)
         if graphs is not None and max_requests > 0 and tokens >= self.block_size:
@@ -132,6 +152,9 @@ class DFlashSpeculator:
     def propose(self, requests: list[Request], pages: list[list[int]]) -> torch.Tensor:
         """Greedy drafts ``[N, B-1]`` for the requests' blocks (``pages[r]``: request r's pages,
         covering at least its context)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.fits(requests):
+            return ahead.drafts  # launched before the previous step was read
         if self.draft_graphs is not None and self.draft_graphs.serves(len(requests)):
             return self.draft_graphs.run(requests, pages)
         b = self.block_size
@@ -162,6 +185,7 @@ class DFlashSpeculator:
         """
         b, page_size = self.block_size, self.kv_pool.page_size
         n = len(requests)
+        ahead = None
         pages = [r.page_ids[:self.kv_pool.pages_for(r.num_cached + b)] for r in requests]
         if any(len(p) * page_size < r.num_cached + b for p, r in zip(pages, requests)):
             raise ValueError("a speculative request needs pages for block_size tokens past its "
@@ -200,6 +224,8 @@ class DFlashSpeculator:
                 matched, lengths = self.commit_graphs.run(batch)
                 if self.runner is not None:  # the graph's lengths, for every rank
                     self.runner.followers.commit_from_device(lengths.to(torch.int64))
+                if self._may_draft_ahead(requests):
+                    ahead = self.draft_graphs.run_next(matched[1], lengths, pages)
                 matched = matched[:, :n]
             else:
                 matched = greedy_match(drafts, logits)
@@ -217,10 +243,22 @@ class DFlashSpeculator:
             r.num_cached += a.commit_len
             tokens = d[:a.num_accepted] + [a.bonus]
             outcomes.append(StepOutcome(r, tokens, a, self._logprobs(r, logits[i], tokens)))
+        if ahead is not None:
+            self._ahead = _DraftAhead(tuple(requests), tuple(r.num_cached for r in requests),
+                                      tuple(a.bonus for a in accepted), ahead)
         self.stats["spec_steps"] += n
         self.stats["spec_committed_tokens"] += sum(commits)
         self.stats["spec_drafted_tokens"] += n * (b - 1)
         return outcomes
+
+    def _may_draft_ahead(self, requests: list[Request]) -> bool:
+        """Whether to launch the next step's draft before this step is read: not when a
+        request may reach its length limit in this step (the next step would then have other
+        requests, and the draft would be wasted work)."""
+        b = self.block_size
+        return self.draft_ahead and all(
+            len(r.output_ids) + b < r.params.max_new_tokens
+            for r in requests)
 
     @staticmethod
     def _logprobs(r: Request, logits: torch.Tensor,
