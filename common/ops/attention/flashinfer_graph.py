@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from common.ops.attention.flashinfer import decode_uses_tensor_cores
-from common.ops.attention.planned import page_layout
+from common.ops.attention.planned import fixed_page_layout
 
 __all__ = ["FlashInferGraphAttention", "graph_attention", "workspace"]
 
@@ -84,15 +84,10 @@ class FlashInferGraphAttention:
     def plan(self, page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int]) -> None:
         """Point the buffers at these rows: row r has ``seq_lens[r]`` tokens (its last
         ``q_len`` are the new ones) in its first pages of ``page_ids[r]``."""
-        if len(seq_lens) != self.batch_size:
-            raise ValueError(f"a plan of this wrapper has {self.batch_size} rows, got "
-                             f"{len(seq_lens)}")
-        if any(s < self.q_len for s in seq_lens):
-            raise ValueError(f"every row needs at least q_len = {self.q_len} tokens")
-        indptr, indices, last = page_layout(page_ids, seq_lens, self.page_size)
+        indptr, indices, last = fixed_page_layout(
+            page_ids, seq_lens, batch_size=self.batch_size, q_len=self.q_len,
+            page_size=self.page_size, max_pages=self.indices.numel())
         n = len(indices)
-        if n > self.indices.numel():
-            raise ValueError(f"{n} pages exceed the plan's {self.indices.numel()}")
         if self._copied is not None:
             self._copied.synchronize()  # the last plan's copies have read the host buffers
         if n > self._host_indices.numel():

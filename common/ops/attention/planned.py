@@ -20,7 +20,7 @@ import torch
 
 from common.cache.kv_pool import page_table
 
-__all__ = ["TorchPlannedAttention", "page_layout"]
+__all__ = ["TorchPlannedAttention", "fixed_page_layout", "page_layout"]
 
 
 def page_layout(page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size: int
@@ -39,6 +39,22 @@ def page_layout(page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int], page
         indptr.append(len(indices))
         last.append(length - (used - 1) * page_size)
     return indptr, indices, last
+
+
+def fixed_page_layout(page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int], *,
+                      batch_size: int, q_len: int, page_size: int, max_pages: int
+                      ) -> tuple[list[int], list[int], list[int]]:
+    """:func:`page_layout` of a plan with fixed buffers (a CUDA-graph plan): exactly
+    ``batch_size`` rows, each of at least ``q_len`` tokens, at most ``max_pages`` pages in
+    all; ValueError otherwise."""
+    if len(seq_lens) != batch_size:
+        raise ValueError(f"a plan of this attention has {batch_size} rows, got {len(seq_lens)}")
+    if any(s < q_len for s in seq_lens):
+        raise ValueError(f"every row needs at least q_len = {q_len} tokens")
+    layout = page_layout(page_ids, seq_lens, page_size)
+    if len(layout[1]) > max_pages:
+        raise ValueError(f"{len(layout[1])} pages exceed the plan's {max_pages}")
+    return layout
 
 
 class TorchPlannedAttention:

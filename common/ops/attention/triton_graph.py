@@ -18,7 +18,7 @@ import torch
 import triton
 
 from common.ops.attention import paged_triton
-from common.ops.attention.planned import page_layout
+from common.ops.attention.planned import fixed_page_layout
 
 __all__ = ["TritonGraphAttention", "graph_attention"]
 
@@ -74,15 +74,10 @@ class TritonGraphAttention:
     def plan(self, page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int]) -> None:
         """Point the buffers at these rows: row r has ``seq_lens[r]`` tokens (its last
         ``q_len`` are the new ones) in its first pages of ``page_ids[r]``."""
-        if len(seq_lens) != self.batch_size:
-            raise ValueError(f"a plan of this attention has {self.batch_size} rows, got "
-                             f"{len(seq_lens)}")
-        if any(s < self.q_len for s in seq_lens):
-            raise ValueError(f"every row needs at least q_len = {self.q_len} tokens")
-        indptr, indices, _ = page_layout(page_ids, seq_lens, self.page_size)
+        indptr, indices, _ = fixed_page_layout(
+            page_ids, seq_lens, batch_size=self.batch_size, q_len=self.q_len,
+            page_size=self.page_size, max_pages=self.indices.numel())
         n, b = len(indices), self.batch_size
-        if n > self.indices.numel():
-            raise ValueError(f"{n} pages exceed the plan's {self.indices.numel()}")
         if self._copied is not None:
             self._copied.synchronize()  # the last plan's copy has read the host buffer
         if self._host.numel() < 2 * b + 1 + n:
