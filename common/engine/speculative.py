@@ -224,7 +224,9 @@ class DFlashSpeculator:
                 matched, lengths = self.commit_graphs.run(batch)
                 if self.runner is not None:  # the graph's lengths, for every rank
                     self.runner.followers.commit_from_device(lengths.to(torch.int64))
-                if self._may_draft_ahead(requests):
+                # a draft launched ahead is wasted when the batch changes (a request ends or
+                # joins): one draft per change, where waiting for the read costs one per step
+                if self.draft_ahead:
                     ahead = self.draft_graphs.run_next(matched[1], lengths, pages)
                 matched = matched[:, :n]
             else:
@@ -250,15 +252,6 @@ class DFlashSpeculator:
         self.stats["spec_committed_tokens"] += sum(commits)
         self.stats["spec_drafted_tokens"] += n * (b - 1)
         return outcomes
-
-    def _may_draft_ahead(self, requests: list[Request]) -> bool:
-        """Whether to launch the next step's draft before this step is read: not when a
-        request may reach its length limit in this step (the next step would then have other
-        requests, and the draft would be wasted work)."""
-        b = self.block_size
-        return self.draft_ahead and all(
-            len(r.output_ids) + b < r.params.max_new_tokens
-            for r in requests)
 
     @staticmethod
     def _logprobs(r: Request, logits: torch.Tensor,

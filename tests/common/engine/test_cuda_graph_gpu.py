@@ -23,13 +23,13 @@ def models():
 
 
 def _engine(model, draft, graphs: bool, capture: bool = True,
-            overlap: bool = False) -> LLMEngine:
+            overlap: bool = False, draft_ahead: bool = True) -> LLMEngine:
     """graphs=False: the plain eager engine; capture=False: the graph path's buffers, padding
     and kernels, run eagerly (what a replay must reproduce exactly)."""
     config = EngineConfig(cache=CacheConfig(page_size=16, num_pages=700, num_slots=12),
                           scheduler=SchedulerConfig(max_running_requests=10), device="cuda",
                           cuda_graph=CudaGraphConfig(enabled=graphs, max_batch_size=16,
-                                                     capture=capture),
+                                                     capture=capture, draft_ahead=draft_ahead),
                           overlap_schedule=overlap)
     engine = LLMEngine(model, config, draft=draft)
     if graphs:
@@ -143,6 +143,29 @@ def test_replay_gives_eager_tokens(models, speculative):
     assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
     if speculative:
         assert [r.accept_lengths for r in got] == [r.accept_lengths for r in want]
+
+
+def test_drafts_launched_ahead_give_the_tokens_of_drafts_after_the_read(models):
+    """Replayed DFLASH steps whose draft graph is launched behind the previous step's commit
+    graph, before the host reads it: the same tokens and accept lengths as drafting after the
+    read, the draft launched ahead in most steps."""
+    model, draft = models
+    params = [SamplingParams(temperature=0.0, max_new_tokens=40 + 5 * i, ignore_eos=True)
+              for i in range(len(LENGTHS))]
+    want = _engine(model, draft, graphs=True, draft_ahead=False).generate(_prompts(), params)
+    engine = _engine(model, draft, graphs=True)
+    runs = {"run": 0, "run_next": 0}
+    for name in runs:
+        fn = getattr(engine.speculator.draft_graphs, name)
+        setattr(engine.speculator.draft_graphs, name,
+                lambda *a, _fn=fn, _name=name, **k: (runs.__setitem__(_name, runs[_name] + 1),
+                                                     _fn(*a, **k))[1])
+    free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
+    got = engine.generate(_prompts(), params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert [r.accept_lengths for r in got] == [r.accept_lengths for r in want]
+    assert runs["run_next"] > runs["run"]
+    assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["decode", "dflash"])
