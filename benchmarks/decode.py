@@ -61,7 +61,7 @@ def build(kernels: str, with_draft: bool, shape: str = "qwen3.5-4b"):
 
 
 def engine_for(model, draft, *, block_size=None, max_running=256, graphs=False, overlap=False,
-               device="cuda", commit_graphs=True, draft_ahead=True):
+               device="cuda", commit_graphs=True, draft_ahead=False):
     """An engine on ``device`` (the GPU by default); with ``graphs`` its CUDA graphs are
     captured before it returns (``commit_graphs``, ``draft_ahead``: ``CudaGraphConfig``'s)."""
     cache = CacheConfig(page_size=16, num_pages=max_running * (CONTEXT + 160) // 16 + 64,

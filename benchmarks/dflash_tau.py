@@ -59,9 +59,9 @@ class TauConfig:
     # CudaGraphConfig.commit_graphs: False launches a greedy step's acceptance and commit one
     # by one after the verify graph (the baseline of the commit graphs)
     commit_graphs: bool = True
-    # CudaGraphConfig.draft_ahead: False launches each step's draft after the previous step
-    # is read (the baseline of the draft launched ahead)
-    draft_ahead: bool = True
+    # CudaGraphConfig.draft_ahead: True launches each step's draft before the previous step
+    # is read (against the default, drafting after the read)
+    draft_ahead: bool = False
 
 
 @dataclass
@@ -256,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-commit-graphs", dest="commit_graphs", action="store_false",
                    help="launch a greedy step's acceptance and GDN commit one by one (the "
                         "baseline of the commit graphs)")
-    p.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
-                   help="launch each step's draft after the previous step is read (the "
-                        "baseline of the draft launched ahead)")
+    p.add_argument("--draft-ahead", action="store_true",
+                   help="launch each step's draft before the previous step is read "
+                        "(CudaGraphConfig.draft_ahead)")
     args = p.parse_args(argv)
     config = TauConfig(
         model=args.model, draft=args.draft, data=args.data,

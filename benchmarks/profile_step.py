@@ -208,9 +208,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-commit-graphs", dest="commit_graphs", action="store_false",
                    help="launch a greedy DFLASH step's acceptance and GDN commit one by one "
                         "(the baseline of the commit graphs)")
-    p.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
-                   help="launch each DFLASH step's draft after the previous step is read (the "
-                        "baseline of the draft launched ahead)")
+    p.add_argument("--draft-ahead", action="store_true",
+                   help="launch each DFLASH step's draft before the previous step is read "
+                        "(CudaGraphConfig.draft_ahead)")
     args = p.parse_args(argv)
     kernels = set_for_device(args.kernels, args.device)
     if args.model == "tiny":

@@ -61,7 +61,7 @@ class CudaGraphConfig:
             the bonus token and committed lengths on the device) before the host reads the
             step, so the draft runs while the host takes in the step and prepares the verify
             (``DraftGraphRunner.run_next``); used when the next step has the same requests.
-            False: the draft is launched after the read, the baseline it is measured against.
+            Off until it has run on a GPU: the draft is then launched after the read.
         tensor_parallel: capture graphs of a tensor-parallel model too, NCCL collectives
             inside them (``--tp-cuda-graphs``). Off by default: it has not run on several GPUs
             yet (docs/tensor_parallel.md); the uncaptured variant (``capture=False``) needs no
@@ -72,7 +72,7 @@ class CudaGraphConfig:
     max_batch_size: int = 256
     capture: bool = True
     commit_graphs: bool = True
-    draft_ahead: bool = True
+    draft_ahead: bool = False
     tensor_parallel: bool = False
 
     def batch_sizes(self, max_running: int) -> tuple[int, ...]:

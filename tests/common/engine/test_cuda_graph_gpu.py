@@ -23,7 +23,7 @@ def models():
 
 
 def _engine(model, draft, graphs: bool, capture: bool = True,
-            overlap: bool = False, draft_ahead: bool = True) -> LLMEngine:
+            overlap: bool = False, draft_ahead: bool = False) -> LLMEngine:
     """graphs=False: the plain eager engine; capture=False: the graph path's buffers, padding
     and kernels, run eagerly (what a replay must reproduce exactly)."""
     config = EngineConfig(cache=CacheConfig(page_size=16, num_pages=700, num_slots=12),
@@ -152,8 +152,8 @@ def test_drafts_launched_ahead_give_the_tokens_of_drafts_after_the_read(models):
     model, draft = models
     params = [SamplingParams(temperature=0.0, max_new_tokens=40 + 5 * i, ignore_eos=True)
               for i in range(len(LENGTHS))]
-    want = _engine(model, draft, graphs=True, draft_ahead=False).generate(_prompts(), params)
-    engine = _engine(model, draft, graphs=True)
+    want = _engine(model, draft, graphs=True).generate(_prompts(), params)
+    engine = _engine(model, draft, graphs=True, draft_ahead=True)
     runs = {"run": 0, "run_next": 0}
     for name in runs:
         fn = getattr(engine.speculator.draft_graphs, name)
