@@ -98,24 +98,21 @@ class DraftGraphRunner:
         Returns the proposals ``[n, B-1]`` as :meth:`run` does; valid while no other run of
         the same batch size follows."""
         n = len(pages)
-        bs = self.padded_size(n)
         self._write_pages(pages)
         self.blocks[:n, 0].copy_(bonus[:n])
         self.starts[:n].add_(lengths[:n])  # padding rows keep start 0: they read no page
-        if self.capture_graphs:
-            self.graphs[bs].replay()
-            out = self.outputs[bs]
-        else:
-            out = self.outputs[bs] = self._forward(bs)
-        return out[:n]
+        return self._propose(n)
 
     def run(self, requests: Sequence[Request], pages: Sequence[Sequence[int]]) -> torch.Tensor:
         """Proposals ``[n, B-1]`` (int64, on the device; a view valid until the next run) for
         blocks starting at each request's ``num_cached``, over its context pages ``pages[r]``
         (``outputs[bs]`` holds every row's, padding included)."""
-        n = len(requests)
-        bs = self.padded_size(n)
         self._fill([r.output_ids[-1] for r in requests], [r.num_cached for r in requests], pages)
+        return self._propose(len(requests))
+
+    def _propose(self, n: int) -> torch.Tensor:
+        """The proposals of the first ``n`` rows of the filled buffers."""
+        bs = self.padded_size(n)
         if self.capture_graphs:
             self.graphs[bs].replay()
             out = self.outputs[bs]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from common.ops.attention.flashinfer import decode_uses_tensor_cores
-from common.ops.attention.planned import fixed_page_layout
+from common.ops.attention.planned import PinnedStaging, fixed_page_layout
 
 __all__ = ["FlashInferGraphAttention", "graph_attention", "workspace"]
 
@@ -69,11 +69,8 @@ class FlashInferGraphAttention:
         # copies them with a blocking copy, a stream synchronisation, so the host would wait
         # there for every kernel queued before the plan (a verify's draft, or the step before
         # under overlap scheduling) and the GPU would then idle through the rest of the plan.
-        self._pinned = device.type == "cuda"
-        host = torch.zeros(2 * batch_size + 1, dtype=torch.int32, pin_memory=self._pinned)
-        self._host_indptr, self._host_last = torch.split(host, [batch_size + 1, batch_size])
-        self._host_indices = torch.zeros(0, dtype=torch.int32)  # grown to what plans need
-        self._copied: torch.cuda.Event | None = None  # after the last plan's copies
+        self._staging = PinnedStaging(device, 2 * batch_size + 1,
+                                      limit=2 * batch_size + 1 + max_pages)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             float_workspace, "NHD", use_cuda_graph=True,
             use_tensor_cores=(decode_uses_tensor_cores(num_qo_heads, num_kv_heads, q_len)
@@ -87,25 +84,20 @@ class FlashInferGraphAttention:
         indptr, indices, last = fixed_page_layout(
             page_ids, seq_lens, batch_size=self.batch_size, q_len=self.q_len,
             page_size=self.page_size, max_pages=self.indices.numel())
-        n = len(indices)
-        if self._copied is not None:
-            self._copied.synchronize()  # the last plan's copies have read the host buffers
-        if n > self._host_indices.numel():
-            self._host_indices = torch.zeros(min(max(2 * n, 1024), self.indices.numel()),
-                                             dtype=torch.int32, pin_memory=self._pinned)
-        self._host_indptr.numpy()[:] = indptr
-        self._host_last.numpy()[:] = last
-        self._host_indices.numpy()[:n] = indices
-        self.indices[:n].copy_(self._host_indices[:n], non_blocking=True)
+        n, b = len(indices), self.batch_size
+        staged = self._staging.take(2 * b + 1 + n)
+        host_indptr, host_last, host_indices = torch.split(staged, [b + 1, b, n])
+        host_indptr.numpy()[:] = indptr
+        host_last.numpy()[:] = last
+        host_indices.numpy()[:] = indices
+        self.indices[:n].copy_(host_indices, non_blocking=True)
         h, kvh, d = self.heads
         # the wrapper plans from the rows' lengths on the host; its own copy of the indices
         # (into the buffer they are already in) is left out by torch as a copy onto itself
-        self.wrapper.plan(self._host_indptr, self.indices[:n], self._host_last, h, kvh, d,
+        self.wrapper.plan(host_indptr, self.indices[:n], host_last, h, kvh, d,
                           self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
                           sm_scale=self.scale, q_len_per_req=self.q_len, non_blocking=True)
-        if self._pinned:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._staging.queued()
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """[batch_size * q_len, H, D] queries -> outputs of the same shape."""

@@ -19,7 +19,6 @@ with the reference to fp32 rounding.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -27,16 +26,13 @@ import triton
 import triton.language as tl
 
 from common.ops.attention import reference
-from common.ops.attention.draft_triton import _attend, _key_block, _sm_count
+from common.ops.attention.draft_triton import _attend, _key_block, _sm_count, _supported
 
 __all__ = ["MAX_HEAD_DIM", "heads_per_program", "launch", "paged_attention", "splits_for"]
 
-# TRITON_INTERPRET=1 runs the kernel on CPU tensors, to step through it without a GPU.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _MAX_ROWS = 64  # (head, query) rows per program
 MAX_HEAD_DIM = 256
 _MAX_SPLITS = 32
-_NO_WINDOW = 1 << 30
 _LOG2E = 1.4426950408889634
 
 
@@ -90,6 +86,7 @@ def _paged_attention_kernel(
                      + offs_d[None, :], mask=kv_mask, other=0.0)
         vt = tl.load(vc + page[:, None] * svc_p + slot[:, None] * svc_s + kvh * svc_h
                      + offs_d[None, :], mask=kv_mask, other=0.0)
+        # (no sliding window: a distance no position reaches)
         m_i, l_i, acc = _attend(qt, kt, vt, qp, kp, k_ok, m_i, l_i, acc, qk_scale, 1 << 30,
                                 True, PREC)
 
@@ -185,12 +182,6 @@ def launch(*, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   SPLITS=splits, BS=max(2, triton.next_power_of_2(splits)),
                                   BD=bd)
     return out
-
-
-def _supported(*tensors: torch.Tensor) -> bool:
-    return (all(t.is_cuda or _INTERPRET for t in tensors)
-            and all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) for t in tensors)
-            and len({t.dtype for t in tensors}) == 1)
 
 
 def paged_attention(

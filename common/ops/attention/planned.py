@@ -20,7 +20,7 @@ import torch
 
 from common.cache.kv_pool import page_table
 
-__all__ = ["TorchPlannedAttention", "fixed_page_layout", "page_layout"]
+__all__ = ["PinnedStaging", "TorchPlannedAttention", "fixed_page_layout", "page_layout"]
 
 
 def page_layout(page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size: int
@@ -55,6 +55,36 @@ def fixed_page_layout(page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int]
     if len(layout[1]) > max_pages:
         raise ValueError(f"{len(layout[1])} pages exceed the plan's {max_pages}")
     return layout
+
+
+class PinnedStaging:
+    """int32 host memory a CUDA-graph plan writes its rows into and copies to the device from
+    without waiting (pinned on a CUDA device, so the copies do not synchronise the stream).
+
+    :meth:`take` waits only for the copies out of what it gave last time, and grows the
+    buffer to what plans need, up to ``limit`` entries; :meth:`queued` marks those copies.
+    """
+
+    def __init__(self, device: torch.device, size: int, limit: int) -> None:
+        self._pinned = device.type == "cuda"
+        self._limit = limit
+        self._buffer = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
+        self._copied: torch.cuda.Event | None = None  # after the last plan's copies
+
+    def take(self, size: int) -> torch.Tensor:
+        """The first ``size`` entries, free to write (the last plan's copies have read them)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        if size > self._buffer.numel():
+            self._buffer = torch.zeros(min(max(2 * size, 1024), self._limit), dtype=torch.int32,
+                                       pin_memory=self._pinned)
+        return self._buffer[:size]
+
+    def queued(self) -> None:
+        """Call once the plan's copies out of what :meth:`take` gave are queued."""
+        if self._pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
 
 class TorchPlannedAttention:

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from common.ops.attention import paged_triton
-from common.ops.attention.planned import fixed_page_layout
+from common.ops.attention.planned import PinnedStaging, fixed_page_layout
 
 __all__ = ["TritonGraphAttention", "graph_attention"]
 
@@ -67,9 +67,7 @@ class TritonGraphAttention:
         self.work_req, self.q_start = rows, rows * q_len
         self.work_q0 = torch.zeros(b, dtype=torch.int32, device=device)
         self.q_count = torch.full((b,), q_len, dtype=torch.int32, device=device)
-        self._pinned = device.type == "cuda"
-        self._host = torch.zeros(2 * b + 1, dtype=torch.int32, pin_memory=self._pinned)
-        self._copied: torch.cuda.Event | None = None  # after the last plan's copy
+        self._staging = PinnedStaging(device, 2 * b + 1, limit=self.packed.numel())
 
     def plan(self, page_ids: Sequence[Sequence[int]], seq_lens: Sequence[int]) -> None:
         """Point the buffers at these rows: row r has ``seq_lens[r]`` tokens (its last
@@ -77,21 +75,15 @@ class TritonGraphAttention:
         indptr, indices, _ = fixed_page_layout(
             page_ids, seq_lens, batch_size=self.batch_size, q_len=self.q_len,
             page_size=self.page_size, max_pages=self.indices.numel())
-        n, b = len(indices), self.batch_size
-        if self._copied is not None:
-            self._copied.synchronize()  # the last plan's copy has read the host buffer
-        if self._host.numel() < 2 * b + 1 + n:
-            size = min(max(2 * (2 * b + 1 + n), 1024), self.packed.numel())
-            self._host = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
-        host = self._host.numpy()
+        b = self.batch_size
+        used = 2 * b + 1 + len(indices)
+        staged = self._staging.take(used)
+        host = staged.numpy()
         host[:b + 1] = indptr
         host[b + 1:2 * b + 1] = seq_lens
-        host[2 * b + 1:2 * b + 1 + n] = indices
-        used = 2 * b + 1 + n
-        self.packed[:used].copy_(self._host[:used], non_blocking=True)
-        if self._pinned:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        host[2 * b + 1:] = indices
+        self.packed[:used].copy_(staged, non_blocking=True)
+        self._staging.queued()
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """[batch_size * q_len, H, D] queries -> outputs of the same shape."""
