@@ -51,6 +51,9 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
                      help="peak learning rate (AdamW, cosine over the budget)")
     run.add_argument("--loss-decay-gamma", type=float, default=DraftTrainConfig.loss_decay_gamma,
                      help="row k of a block weighs exp(-(k-1)/gamma); 0 = equal weights")
+    run.add_argument("--train-on-prompts", action="store_true",
+                     help="also learn the prompts of regenerated data (lines with "
+                          "\"prompt_tokens\"), not only what the target wrote")
     run.add_argument("--checkpoint-every", type=int, default=DraftTrainConfig.checkpoint_every,
                      help="steps between checkpoints")
     run.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
@@ -84,7 +87,8 @@ def config_from_args(args: argparse.Namespace) -> DraftTrainConfig:
         seq_len=args.seq_len, batch_size=args.batch_size, num_anchors=args.anchors, lr=args.lr,
         loss_decay_gamma=args.loss_decay_gamma or None, checkpoint_every=args.checkpoint_every,
         device=args.device, dtype=args.dtype, target_dtype=args.target_dtype,
-        kernels=args.kernels, seed=args.seed, resume=args.resume,
+        kernels=args.kernels, seed=args.seed, train_on_prompts=args.train_on_prompts,
+        resume=args.resume,
         progress=not args.no_progress)
 
 

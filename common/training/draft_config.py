@@ -56,6 +56,8 @@ class DraftTrainConfig:
         dtype: of the saved weights (default: the target's).
         target_dtype: the target's compute dtype (default: its config's).
         kernels: the target's kernel set ("auto": "gpu" on CUDA, else "reference").
+        train_on_prompts: a regenerated line's prompt (corpus text, not the target's) is
+            trained on too; by default only the tokens the target wrote are labels.
     """
 
     target: str
@@ -78,6 +80,7 @@ class DraftTrainConfig:
     target_dtype: str | None = None
     kernels: str = "auto"
     seed: int = 0
+    train_on_prompts: bool = False
     resume: bool = False
     progress: bool = True
 

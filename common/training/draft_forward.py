@@ -18,6 +18,10 @@ and anchor positions ``anchors`` [S, A] (each in ``1 .. T-B``):
   ``tokens[s, a+k]``, row k weighted by ``exp(-(k-1)/gamma)`` (later rows matter less: a
   draft token only counts if every one before it was accepted).
 
+With ``labels`` [S, T] (which tokens are training labels: a regenerated line's prompt is not),
+anchors are drawn from the positions whose next token is a label, and rows whose token is not
+one weigh nothing.
+
 The recipe (anchors, mask, decay) is SpecForge's DFLASH training objective
 (/work/shared/reference/dflash.md, "Training here").
 """
@@ -44,16 +48,24 @@ class BlockLoss:
 
 
 def sample_anchors(num_sequences: int, seq_len: int, block_size: int, num_anchors: int, *,
-                   generator: torch.Generator, device: torch.device | str = "cpu"
-                   ) -> torch.Tensor:
+                   generator: torch.Generator, device: torch.device | str = "cpu",
+                   labels: torch.Tensor | None = None) -> torch.Tensor:
     """[S, A] distinct sorted anchors per sequence, uniform over ``1 .. seq_len - block_size``
-    (A = ``num_anchors`` or every position when there are fewer)."""
+    (A = ``num_anchors`` or every position when there are fewer).
+
+    With ``labels`` ([S, seq_len] bool), positions whose next token is a label come first: a
+    sequence with fewer of them than A also gets others, which ``block_loss`` weighs 0.
+    """
     span = seq_len - block_size
     if span < 1:
         raise ValueError(f"sequences of {seq_len} tokens leave no room for a block of "
                          f"{block_size} after a context token: use seq_len > block_size")
     count = min(num_anchors, span)
-    order = torch.rand(num_sequences, span, generator=generator).argsort(dim=1)
+    scores = torch.rand(num_sequences, span, generator=generator)
+    if labels is not None:
+        # anchor a (1..span) predicts token a+1 first; scores lie in [0, 1), so 1 sorts last
+        scores = torch.where(labels[:, 2:span + 2].cpu(), scores, 1.0)
+    order = scores.argsort(dim=1)
     return (order[:, :count] + 1).sort(dim=1).values.to(device)
 
 
@@ -168,21 +180,33 @@ def block_logits(draft: DFlashDraftModel, hidden: torch.Tensor,
 
 def block_loss(draft: DFlashDraftModel, aux: torch.Tensor, tokens: torch.Tensor,
                anchors: torch.Tensor, *, embed: torch.Tensor, lm_head: torch.Tensor,
-               loss_decay_gamma: float | None) -> BlockLoss:
+               loss_decay_gamma: float | None, labels: torch.Tensor | None = None) -> BlockLoss:
     """The training objective of one batch (see the module docstring)."""
     b = draft.config.block_size
     s, a = anchors.shape
     hidden = block_hidden(draft, aux, tokens, anchors, embed)[:, :, 1:]
     logits = block_logits(draft, hidden, lm_head)  # [S, A, B-1, V]
     rows = torch.arange(1, b, device=tokens.device)
-    labels = tokens.gather(1, (anchors[:, :, None] + rows).view(s, -1)).view(s, a, b - 1)
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
+    at = (anchors[:, :, None] + rows).view(s, -1)
+    targets = tokens.gather(1, at).view(s, a, b - 1)
+    ce = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none")
     weights = torch.ones(b - 1, device=tokens.device)
     if loss_decay_gamma:
         weights = torch.exp(-(rows - 1).float() / loss_decay_gamma)
-    loss = (ce.view(s, a, b - 1) * weights).sum() / (weights.sum() * s * a)
+    correct = logits.argmax(-1) == targets
+    if labels is None:
+        loss = (ce.view(s, a, b - 1) * weights).sum() / (weights.sum() * s * a)
+        with torch.no_grad():
+            accuracy = correct.float().mean()
+            accept = 1.0 + correct.long().cumprod(-1).sum(-1).float().mean()
+        return BlockLoss(loss=loss, accuracy=accuracy, accept_length=accept)
+    counted = labels.to(tokens.device).gather(1, at).view(s, a, b - 1)
+    w = weights * counted
+    # an anchor none of whose rows count (fewer label positions than anchors) adds nothing
+    loss = (ce.view(s, a, b - 1) * w).sum() / w.sum().clamp_min(1e-6)
     with torch.no_grad():
-        correct = logits.argmax(-1) == labels
-        accuracy = correct.float().mean()
-        accept = 1.0 + correct.long().cumprod(-1).sum(-1).float().mean()
+        blocks = counted[:, :, 0]
+        accuracy = (correct & counted).sum() / counted.sum().clamp_min(1)
+        run = (correct & counted).long().cumprod(-1).sum(-1).float()
+        accept = 1.0 + (run * blocks).sum() / blocks.sum().clamp_min(1)
     return BlockLoss(loss=loss, accuracy=accuracy, accept_length=accept)

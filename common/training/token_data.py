@@ -7,6 +7,12 @@ Accepted data (``--data``):
 - a corpus directory holding ``train.jsonl`` (``training.corpus``), which is read as above;
 - any other directory: every file under it, as UTF-8 text, in path order;
 - any other file: its text, as one document.
+
+A ``.jsonl`` line with ``"token_ids"`` and ``"prompt_tokens": n`` (``training.regenerate``'s
+output) is a ``Continuation``: its first n ids are a prompt from other text, the rest the
+target's own tokens. Its prompt, and the separator after it, are not training labels
+(``token_stream_and_labels``): a draft learns what its target writes, not the corpus it was
+prompted with.
 """
 
 from __future__ import annotations
@@ -17,6 +23,18 @@ from pathlib import Path
 import torch
 
 from common.tokenizer import Tokenizer
+
+
+
+class Continuation(list):
+    """Token ids whose first ``prompt_tokens`` are a prompt and the rest what a model wrote."""
+
+    def __init__(self, ids, prompt_tokens: int) -> None:
+        super().__init__(ids)
+        if not 0 <= prompt_tokens <= len(self):
+            raise ValueError(f"prompt_tokens must lie in 0..{len(self)}, got {prompt_tokens}")
+        self.prompt_tokens = prompt_tokens
+
 
 Document = str | list[int]
 
@@ -39,7 +57,9 @@ def read_documents(path: str | Path) -> list[Document]:
                 continue
             record = json.loads(line)
             if isinstance(record.get("token_ids"), list):
-                docs.append([int(t) for t in record["token_ids"]])
+                ids = [int(t) for t in record["token_ids"]]
+                prompt = record.get("prompt_tokens")
+                docs.append(ids if prompt is None else Continuation(ids, int(prompt)))
             elif isinstance(record.get("text"), str):
                 docs.append(record["text"])
             else:
@@ -54,7 +74,20 @@ def token_stream(documents: list[Document], tokenizer: Tokenizer | None, *,
     Text needs a tokenizer; ids at or past ``vocab_size`` are an error (the model has no row
     for them).
     """
+    return token_stream_and_labels(documents, tokenizer, separator=separator,
+                                   vocab_size=vocab_size)[0]
+
+
+def token_stream_and_labels(documents: list[Document], tokenizer: Tokenizer | None, *,
+                            separator: int | None, vocab_size: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_stream`` and a bool tensor beside it: whether each token is a training label.
+
+    Every token is, except a ``Continuation``'s prompt and the separator after it (the model
+    did not write them).
+    """
     pieces: list[list[int]] = []
+    labels: list[torch.Tensor] = []
     for doc in documents:
         if isinstance(doc, str):
             if tokenizer is None:
@@ -63,33 +96,56 @@ def token_stream(documents: list[Document], tokenizer: Tokenizer | None, *,
             ids = tokenizer.encode(doc, add_special_tokens=False)
         else:
             ids = doc
-        pieces.append(list(ids) + ([] if separator is None else [separator]))
+        piece = list(ids) + ([] if separator is None else [separator])
+        pieces.append(piece)
+        label = torch.ones(len(piece), dtype=torch.bool)
+        if isinstance(doc, Continuation):
+            label[:doc.prompt_tokens] = False
+            label[len(doc):] = False
+        labels.append(label)
     stream = torch.tensor([t for piece in pieces for t in piece], dtype=torch.int32)
     if stream.numel() and (int(stream.min()) < 0
                            or (vocab_size is not None and int(stream.max()) >= vocab_size)):
         raise ValueError(f"token ids must lie in 0..{(vocab_size or 0) - 1}, got "
                          f"{int(stream.min())}..{int(stream.max())}")
-    return stream
+    return stream, torch.cat(labels) if labels else torch.ones(0, dtype=torch.bool)
 
 
 class WindowSampler:
     """Random windows of ``seq_len`` tokens of a stream, from a seeded generator (whose state
-    a checkpoint saves, so a resumed run draws what the uninterrupted one would have)."""
+    a checkpoint saves, so a resumed run draws what the uninterrupted one would have).
+    ``labels`` (optional, beside the stream): which tokens are training labels."""
 
-    def __init__(self, stream: torch.Tensor, seq_len: int, seed: int) -> None:
+    def __init__(self, stream: torch.Tensor, seq_len: int, seed: int,
+                 labels: torch.Tensor | None = None) -> None:
         if seq_len < 2:
             raise ValueError(f"seq_len must be at least 2, got {seq_len}")
         if stream.numel() < seq_len:
             raise ValueError(f"the data has {stream.numel()} tokens, fewer than one window of "
                              f"{seq_len}")
-        self.stream, self.seq_len = stream, seq_len
+        if labels is not None and labels.shape != stream.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must match the stream "
+                             f"{tuple(stream.shape)}")
+        self.stream, self.seq_len, self.labels = stream, seq_len, labels
         self.generator = torch.Generator().manual_seed(seed)
+
+    def _positions(self, n: int) -> torch.Tensor:
+        starts = torch.randint(0, self.stream.numel() - self.seq_len + 1, (n,),
+                               generator=self.generator)
+        return starts[:, None] + torch.arange(self.seq_len)
 
     def sample(self, n: int) -> torch.Tensor:
         """[n, seq_len] int64 windows (on the CPU)."""
-        starts = torch.randint(0, self.stream.numel() - self.seq_len + 1, (n,),
-                               generator=self.generator)
-        return self.stream[starts[:, None] + torch.arange(self.seq_len)].long()
+        return self.stream[self._positions(n)].long()
+
+    def sample_with_labels(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample(n)`` and the [n, seq_len] bool labels of its tokens (all True without
+        ``labels``); the same draw as ``sample``."""
+        at = self._positions(n)
+        windows = self.stream[at].long()
+        if self.labels is None:
+            return windows, torch.ones_like(windows, dtype=torch.bool)
+        return windows, self.labels[at]
 
     def state(self) -> torch.Tensor:
         return self.generator.get_state()

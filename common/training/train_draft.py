@@ -32,13 +32,13 @@ from common.training.draft_setup import (draft_config_dict, init_draft_weights,
 from common.training.provenance import PROVENANCE_FILE, environment, write_json
 from common.training.regenerate import read_provenance
 from common.training.schedule import BudgetBar, Clock, CosineSchedule
-from common.training.token_data import WindowSampler, read_documents, token_stream
+from common.training.token_data import WindowSampler, read_documents, token_stream_and_labels
 
 STATE_FILE = "training_state.pt"
 # settings a resumed run must share with the run it continues (the budget may change)
 _RUN_FIELDS = ("target", "data", "arch", "seq_len", "batch_size", "num_anchors", "lr",
                "weight_decay", "warmup", "min_lr_ratio", "grad_clip", "loss_decay_gamma",
-               "seed", "target_dtype")
+               "seed", "target_dtype", "train_on_prompts")
 
 
 def checkpoint_path(out: str | Path) -> Path:
@@ -85,11 +85,15 @@ class _Run:
         tokenizer = load_tokenizer(config.target, allow_missing=True)
         tokenizer = tokenizer if tokenizer.vocab_size else None
         eos = eos_token_ids_for(config.target, self.target.config)
-        stream = token_stream(read_documents(config.data), tokenizer,
-                              separator=eos[0] if eos else None,
-                              vocab_size=self.target.config.vocab_size)
+        stream, labels = token_stream_and_labels(read_documents(config.data), tokenizer,
+                                                 separator=eos[0] if eos else None,
+                                                 vocab_size=self.target.config.vocab_size)
         self.stream_tokens = int(stream.numel())
-        self.sampler = WindowSampler(stream, config.seq_len, config.seed)
+        self.label_tokens = int(labels.sum())
+        # all-label data draws its anchors as it always has (the same draft from the same seed)
+        self.labels = not (config.train_on_prompts or bool(labels.all()))
+        self.sampler = WindowSampler(stream, config.seq_len, config.seed,
+                                     labels=labels if self.labels else None)
         self.anchor_gen = torch.Generator().manual_seed(config.seed + 1)
         self.save_dtype = config.dtype or str(self.target.dtype).replace("torch.", "")
         mask = resolve_mask_token_id(config.arch.mask_token_id, tokenizer, self.target.config)
@@ -159,14 +163,17 @@ class _Run:
         c = self.config
         for group in self.opt.param_groups:
             group["lr"] = lr
-        windows = self.sampler.sample(c.batch_size)  # on the CPU: the capture batch reads them
+        # on the CPU: the capture batch reads them
+        windows, labels = self.sampler.sample_with_labels(c.batch_size)
+        labels = labels if self.labels else None
         aux = self.capture(windows)
         tokens = windows.to(self.device)
         anchors = sample_anchors(c.batch_size, c.seq_len, c.arch.block_size, c.num_anchors,
-                                 generator=self.anchor_gen, device=self.device)
+                                 generator=self.anchor_gen, device=self.device, labels=labels)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = block_loss(self.draft, aux, tokens, anchors, embed=self.embed,
-                             lm_head=self.lm_head, loss_decay_gamma=c.loss_decay_gamma)
+                             lm_head=self.lm_head, loss_decay_gamma=c.loss_decay_gamma,
+                             labels=labels)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.draft.parameters(), c.grad_clip)
         self.opt.step()
@@ -232,11 +239,14 @@ def _write_report(run: _Run, seconds: float) -> dict:
         "target_config": run.target.config.raw,
         "data": config.data,
         "data_tokens": run.stream_tokens,
+        "label_tokens": run.label_tokens if run.labels else run.stream_tokens,
         "data_made_by": read_provenance(config.data),
         "training": {
             **json.loads(json.dumps(dataclasses.asdict(config))),
             "objective": "block diffusion: random anchors, blocks [anchor, MASK x (B-1)], "
-                         "cross-entropy on the masked rows, decay exp(-(k-1)/gamma)",
+                         "cross-entropy on the masked rows, decay exp(-(k-1)/gamma)"
+                         + ("; anchors and rows on the target's own tokens only"
+                            if run.labels else ""),
             "steps": run.step, "seconds": round(seconds, 1),
             "tokens_captured": run.step * config.batch_size * config.seq_len,
             "final": {"loss": _mean(last, 1), "accuracy": _mean(last, 2),

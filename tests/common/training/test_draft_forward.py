@@ -84,6 +84,50 @@ def test_anchors():
         sample_anchors(1, 6, 6, 1, generator=gen)
 
 
+def test_anchors_with_labels_come_before_the_next_label():
+    labels = torch.zeros(2, 20, dtype=torch.bool)
+    labels[0, 8:] = True          # anchors 7.. predict a label first
+    labels[1, 3:6] = True         # only anchors 2, 3 and 4 do
+    a = sample_anchors(2, 20, 6, 4, generator=torch.Generator().manual_seed(0), labels=labels)
+    assert a.shape == (2, 4) and a[0].min() >= 7 and a[0].max() <= 14
+    assert {2, 3, 4} <= set(a[1].tolist())
+    # without labels the draw is the one every earlier draft was trained with
+    plain = sample_anchors(3, 20, 6, 8, generator=torch.Generator().manual_seed(4))
+    order = torch.rand(3, 14, generator=torch.Generator().manual_seed(4)).argsort(dim=1)
+    assert torch.equal(plain, (order[:, :8] + 1).sort(dim=1).values)
+
+
+def test_rows_that_are_not_labels_weigh_nothing(target):
+    draft = make_draft(target, "full")
+    tokens, aux = batch(target, draft)
+    anchors = torch.tensor([[2, 9], [4, 12]])
+    kwargs = dict(embed=target.get_input_embeddings().weight,
+                  lm_head=target.get_output_weight(), loss_decay_gamma=7.0)
+    labels = torch.ones(2, T, dtype=torch.bool)
+    full = block_loss(draft, aux, tokens, anchors, **kwargs)
+    same = block_loss(draft, aux, tokens, anchors, labels=labels, **kwargs)
+    for name in ("loss", "accuracy", "accept_length"):
+        assert torch.allclose(getattr(full, name), getattr(same, name), atol=1e-6), name
+    # rows 12..14 of block (0, 9) and the whole block (1, 12) stop counting; changing the
+    # tokens there changes the plain loss, never the labelled one
+    labels[0, 12:15] = False
+    labels[1, 13:] = False
+    before = block_loss(draft, aux, tokens, anchors, labels=labels, **kwargs)
+    other = tokens.clone()
+    other[0, 12:15] = (other[0, 12:15] + 1) % 256
+    other[1, 13:] = (other[1, 13:] + 1) % 256
+    after = block_loss(draft, aux, other, anchors, labels=labels, **kwargs)
+    assert torch.allclose(before.loss, after.loss) and before.accuracy == after.accuracy
+    assert not torch.allclose(block_loss(draft, aux, other, anchors, **kwargs).loss, full.loss)
+    # a block whose first row is no label is no block: its accept length is not averaged in
+    one = torch.zeros(2, T, dtype=torch.bool)
+    one[0, 3:8] = True
+    only = block_loss(draft, aux, tokens, anchors[:, :1], labels=one, **kwargs)
+    alone = block_loss(draft, aux[:1], tokens[:1], anchors[:1, :1], **kwargs)
+    assert torch.allclose(only.loss, alone.loss, atol=1e-6)
+    assert torch.allclose(only.accept_length, alone.accept_length)
+
+
 def test_block_mask():
     anchors = torch.tensor([[2, 5]])
     m = block_mask(anchors, 8, 3, causal=False, window=None)[0, 0]

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from common.tokenizer import ByteTokenizer
-from common.training.token_data import (WindowSampler, held_out_windows, read_documents,
-                                        spaced_windows, token_stream)
+from common.training.token_data import (Continuation, WindowSampler, held_out_windows,
+                                        read_documents, spaced_windows, token_stream,
+                                        token_stream_and_labels)
 
 
 def test_read_documents_of_every_kind(tmp_path):
@@ -46,6 +47,40 @@ def test_token_stream():
         token_stream(["ab"], None, separator=None)
     with pytest.raises(ValueError, match="0..9"):
         token_stream([[3, 12]], None, separator=None, vocab_size=10)
+
+
+def test_regenerated_lines_are_continuations_whose_prompts_are_not_labels(tmp_path):
+    data = tmp_path / "regen.jsonl"
+    data.write_text(json.dumps({"token_ids": [1, 2, 3, 4], "prompt_tokens": 3}) + "\n"
+                    + json.dumps({"token_ids": [5, 6]}) + "\n")
+    docs = read_documents(data)
+    assert docs == [[1, 2, 3, 4], [5, 6]]
+    assert isinstance(docs[0], Continuation) and docs[0].prompt_tokens == 3
+    assert not isinstance(docs[1], Continuation)
+    tok = ByteTokenizer()
+    stream, labels = token_stream_and_labels(docs + ["a"], tok, separator=9)
+    assert stream.tolist() == [1, 2, 3, 4, 9, 5, 6, 9, 97, 9]
+    # the prompt and the separator after a continuation are not the model's; all else is
+    assert labels.tolist() == [False, False, False, True, False, True, True, True, True, True]
+    assert torch.equal(stream, token_stream(docs + ["a"], tok, separator=9))
+    assert token_stream_and_labels([Continuation([1, 2], 1)], None,
+                                   separator=None)[1].tolist() == [False, True]
+    with pytest.raises(ValueError, match="0..2"):
+        Continuation([1, 2], 3)
+
+
+def test_window_sampler_draws_labels_beside_the_same_windows():
+    stream = torch.arange(100, dtype=torch.int32)
+    labels = stream % 3 == 0
+    a = WindowSampler(stream, 10, seed=5, labels=labels)
+    b = WindowSampler(stream, 10, seed=5)
+    windows, window_labels = a.sample_with_labels(4)
+    assert torch.equal(windows, b.sample(4))
+    assert torch.equal(window_labels, windows % 3 == 0)
+    plain, all_labels = b.sample_with_labels(2)
+    assert all_labels.all() and all_labels.shape == plain.shape
+    with pytest.raises(ValueError, match="must match the stream"):
+        WindowSampler(stream, 10, seed=0, labels=labels[:-1])
 
 
 def test_window_sampler_is_seeded_and_resumable():

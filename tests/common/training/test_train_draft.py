@@ -152,3 +152,29 @@ def test_config_is_checked(corpus_dir, tmp_path):
         replace(config_for(corpus_dir, tmp_path, 1), seq_len=B)
     assert flashsplit(["train-draft", "--target", "tiny", "--data", str(corpus_dir), "--out",
                        str(tmp_path), "--target-layer-ids", "1,x", *ARGS]) == 2
+
+
+def test_regenerated_data_trains_on_the_targets_tokens_only(tmp_path, monkeypatch):
+    from common.training import draft_forward, train_draft as module
+
+    lines = [{"token_ids": [(7 * i + j) % 250 for j in range(40)], "prompt_tokens": 24}
+             for i in range(6)]
+    data = tmp_path / "regen.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    seen = []
+    real_loss = draft_forward.block_loss
+
+    def recording(*args, labels=None, **kw):
+        seen.append(labels)
+        return real_loss(*args, labels=labels, **kw)
+
+    monkeypatch.setattr(module, "block_loss", recording)
+    p = train_draft(replace(config_for(data, tmp_path / "ours", 2), data=str(data)))
+    # 16 of every 41 tokens (40 ids and the separator) are the target's
+    assert p["data_tokens"] == 246 and p["label_tokens"] == 96
+    assert "target's own tokens only" in p["training"]["objective"]
+    assert len(seen) == 2 and all(s is not None and not s.all() and s.any() for s in seen)
+    seen.clear()
+    p = train_draft(replace(config_for(data, tmp_path / "all", 2), data=str(data),
+                            train_on_prompts=True))
+    assert p["label_tokens"] == p["data_tokens"] and seen == [None, None]
