@@ -49,6 +49,38 @@ def read_greedy(matched: torch.Tensor) -> list[Acceptance]:
     return [Acceptance(int(m), int(b)) for m, b in zip(matches, bonuses)]
 
 
+class GreedyReader:
+    """Reads :func:`greedy_match` outcomes through one pinned host buffer, the copy queued
+    when :meth:`start` is called: the host then waits for the work queued before it, not for
+    work launched between the start and the read (the next step's draft, launched ahead).
+    A ``.tolist()`` waits for everything on the stream."""
+
+    def __init__(self, device: torch.device | str, rows: int) -> None:
+        self.device = torch.device(device)
+        self._host: torch.Tensor | None = None
+        self._rows = rows
+
+    def start(self, matched: torch.Tensor):
+        """Queue the copy of ``matched`` ([2, n], n <= rows); returns the read, a callable
+        giving :func:`read_greedy`'s list. One read in flight at a time."""
+        if self.device.type != "cuda":
+            values = matched.clone()
+            return lambda: read_greedy(values)
+        n = matched.shape[1]
+        if self._host is None or self._host.shape[1] < n or self._host.dtype != matched.dtype:
+            self._host = torch.empty(2, max(n, self._rows), dtype=matched.dtype,
+                                     pin_memory=True)
+        host = self._host[:, :n]
+        host.copy_(matched, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read() -> list[Acceptance]:
+            copied.synchronize()
+            return read_greedy(host)
+        return read
+
+
 def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> list[Acceptance]:
     """Longest prefix of ``drafts`` [N, B-1] equal to the target's argmax over ``logits``
     [N, B, V]; the bonus is the target's argmax right after it."""

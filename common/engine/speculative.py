@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from common.cache.kv_pool import KVPool, page_table
 from common.cache.state_pool import GDNStatePool
-from common.engine.acceptance import (Acceptance, accept_greedy, accept_sampled_rows,
-                                     greedy_match, read_greedy)
+from common.engine.acceptance import (Acceptance, GreedyReader, accept_greedy,
+                                     accept_sampled_rows, greedy_match, read_greedy)
 from common.engine.commit_graph import GreedyCommitGraphs
 from common.engine.cuda_graph import CudaGraphConfig, GraphRunner, recorded_event
 from common.engine.draft_graph import DraftGraphRunner
@@ -103,6 +103,7 @@ class DFlashSpeculator:
         self.verify_graphs = self.draft_graphs = self.commit_graphs = None
         self.draft_ahead = graphs is not None and graphs.draft_ahead
         self._ahead: _DraftAhead | None = None
+        self._reader = GreedyReader(kv_pool.kv.device, max(1, max_requests))
         tokens = self.VERIFY_GRAPH_TOKENS if max_graph_tokens is None \
             else min(self.VERIFY_GRAPH_TOKENS, max_graph_tokens)
         if graphs is not None and max_requests > 0 and tokens >= self.block_size:
@@ -225,15 +226,18 @@ class DFlashSpeculator:
                 if self.runner is not None:  # the graph's lengths, for every rank
                     self.runner.followers.commit_from_device(lengths.to(torch.int64))
                 # a draft launched ahead is wasted when the batch changes (a request ends or
-                # joins): one draft per change, where waiting for the read costs one per step
+                # joins): one draft per change, where waiting for the read costs one per step.
+                # The read's copy is queued before it, so the host takes in this step while
+                # the draft runs
+                read = self._reader.start(matched[:, :n])
                 if self.draft_ahead:
                     ahead = self.draft_graphs.run_next(matched[1], lengths, pages)
-                matched = matched[:, :n]
+                accepted = read()
             else:
                 matched = greedy_match(drafts, logits)
                 lengths = F.pad(matched[0] + 1, (0, padding), value=1)
                 self._commit(batch, lengths)
-            accepted = read_greedy(matched)
+                accepted = read_greedy(matched)
         else:
             accepted = self._accept(requests, drafts, logits, seed_for)
             self._commit(batch, [a.commit_len for a in accepted] + [1] * padding)

@@ -52,3 +52,28 @@ def test_a_batch_of_the_wrong_shape_is_refused():
         accept_sampled_rows(drafts[:, :-1], logits, params, [None] * 3)
     with pytest.raises(ValueError, match="generator"):
         accept_sampled_rows(drafts, logits, params, [None] * 2)
+
+
+def test_a_greedy_read_gives_the_outcome_as_it_was_when_started():
+    matched = torch.tensor([[2, 0, 5], [11, 12, 13]])
+    reader = acceptance.GreedyReader("cpu", rows=4)
+    read = reader.start(matched)
+    matched.fill_(7)  # what the device does after the copy was queued (the next step)
+    got = read()
+    assert [(a.num_accepted, a.bonus) for a in got] == [(2, 11), (0, 12), (5, 13)]
+    assert got == acceptance.read_greedy(torch.tensor([[2, 0, 5], [11, 12, 13]]))
+
+
+@pytest.mark.gpu
+def test_a_greedy_read_on_the_gpu_waits_for_its_copy_only():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    matched = torch.tensor([[3, 1], [40, 41]], device="cuda")
+    reader = acceptance.GreedyReader("cuda", rows=1)
+    read = reader.start(matched)
+    matched.fill_(0)
+    torch.cuda._sleep(10_000_000)  # later work still running when the read returns
+    assert [(a.num_accepted, a.bonus) for a in read()] == [(3, 40), (1, 41)]
+    # the read did not wait for the stream: the sleep queued after the copy still runs
+    assert not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
