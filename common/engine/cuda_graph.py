@@ -61,7 +61,8 @@ class CudaGraphConfig:
             the bonus token and committed lengths on the device) before the host reads the
             step, so the draft runs while the host takes in the step and prepares the verify
             (``DraftGraphRunner.run_next``); used when the next step has the same requests.
-            Off until it has run on a GPU: the draft is then launched after the read.
+            Off by default: on an H100 it did not pay while the read waited for that draft
+            (docs/cuda_graphs.md); with the read that no longer does, it is not yet timed.
         tensor_parallel: capture graphs of a tensor-parallel model too, NCCL collectives
             inside them (``--tp-cuda-graphs``). Off by default: it has not run on several GPUs
             yet (docs/tensor_parallel.md); the uncaptured variant (``capture=False``) needs no
