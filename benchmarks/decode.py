@@ -61,15 +61,17 @@ def build(kernels: str, with_draft: bool, shape: str = "qwen3.5-4b"):
 
 
 def engine_for(model, draft, *, block_size=None, max_running=256, graphs=False, overlap=False,
-               device="cuda", commit_graphs=True, draft_ahead=False):
+               device="cuda", commit_graphs=True, draft_ahead=False, verify_ahead=False):
     """An engine on ``device`` (the GPU by default); with ``graphs`` its CUDA graphs are
-    captured before it returns (``commit_graphs``, ``draft_ahead``: ``CudaGraphConfig``'s)."""
+    captured before it returns (``commit_graphs``, ``draft_ahead``, ``verify_ahead``:
+    ``CudaGraphConfig``'s)."""
     cache = CacheConfig(page_size=16, num_pages=max_running * (CONTEXT + 160) // 16 + 64,
                         num_slots=max_running + 1)
     sched = SchedulerConfig(max_prefill_tokens=16384, max_running_requests=max_running)
     config = EngineConfig(cache=cache, scheduler=sched, device=device,
                           cuda_graph=CudaGraphConfig(enabled=graphs, commit_graphs=commit_graphs,
-                                                     draft_ahead=draft_ahead),
+                                                     draft_ahead=draft_ahead,
+                                                     verify_ahead=verify_ahead),
                           overlap_schedule=overlap)
     engine = LLMEngine(model, config, draft=draft, block_size=block_size)
     if graphs:

@@ -62,6 +62,9 @@ class TauConfig:
     # CudaGraphConfig.draft_ahead: True launches each step's draft before the previous step
     # is read (against the default, drafting after the read)
     draft_ahead: bool = False
+    # CudaGraphConfig.verify_ahead: True launches each step's draft and verify before the
+    # previous step is read (needs --kernels gpu-triton-attention)
+    verify_ahead: bool = False
 
 
 @dataclass
@@ -119,7 +122,8 @@ class _Engines:
                                               max_prefill_tokens=max(2048, c.prompt_tokens)),
                     cuda_graph=CudaGraphConfig(max_batch_size=running,
                                                commit_graphs=c.commit_graphs,
-                                               draft_ahead=c.draft_ahead)),
+                                               draft_ahead=c.draft_ahead,
+                                               verify_ahead=c.verify_ahead)),
                 self.eos, draft=self.draft if block else None, block_size=block)
             if torch.device(c.device).type == "cuda":
                 engine.warmup()
@@ -259,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-ahead", action="store_true",
                    help="launch each step's draft before the previous step is read "
                         "(CudaGraphConfig.draft_ahead)")
+    p.add_argument("--verify-ahead", action="store_true",
+                   help="launch each DFLASH step's draft and verify before the previous step "
+                        "is read (CudaGraphConfig.verify_ahead; needs attention plans that take "
+                        "lengths on the device: --kernels gpu-triton-attention)")
     args = p.parse_args(argv)
     config = TauConfig(
         model=args.model, draft=args.draft, data=args.data,
@@ -267,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
         speed_batches=tuple(int(b) for b in _floats(args.speed_batches)),
         device=args.device, kernels=args.kernels, seed=args.seed, dtype=args.dtype,
-        commit_graphs=args.commit_graphs, draft_ahead=args.draft_ahead)
+        commit_graphs=args.commit_graphs, draft_ahead=args.draft_ahead,
+        verify_ahead=args.verify_ahead)
     report = run_tau(config)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,6 @@ slower wall time with the same device time is the host's, and a slower device ti
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import statistics

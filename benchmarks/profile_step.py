@@ -211,6 +211,10 @@ def main(argv=None) -> int:
     p.add_argument("--draft-ahead", action="store_true",
                    help="launch each DFLASH step's draft before the previous step is read "
                         "(CudaGraphConfig.draft_ahead)")
+    p.add_argument("--verify-ahead", action="store_true",
+                   help="launch each DFLASH step's draft and verify before the previous step "
+                        "is read (CudaGraphConfig.verify_ahead; needs attention plans that take "
+                        "lengths on the device: --kernels gpu-triton-attention)")
     args = p.parse_args(argv)
     kernels = set_for_device(args.kernels, args.device)
     if args.model == "tiny":
@@ -227,7 +231,8 @@ def main(argv=None) -> int:
         plain = engine_for(model, None, max_running=running, graphs=graphs, device=args.device)
         spec = None if draft is None else engine_for(
             model, draft, block_size=args.block_size, max_running=running, graphs=graphs,
-            device=args.device, commit_graphs=args.commit_graphs, draft_ahead=args.draft_ahead)
+            device=args.device, commit_graphs=args.commit_graphs, draft_ahead=args.draft_ahead,
+            verify_ahead=args.verify_ahead)
     for engine in (plain, spec):
         if engine is not None:
             fill_batch(engine, args.batch, prompt_len, 400, vocab=vocab)

@@ -63,6 +63,13 @@ class CudaGraphConfig:
             (``DraftGraphRunner.run_next``); used when the next step has the same requests.
             Off by default: on an H100 it did not pay while the read waited for that draft
             (docs/cuda_graphs.md); with the read that no longer does, it is not yet timed.
+        verify_ahead: launch the next step's verify too (its positions, KV slots and
+            attention lengths moved on the device by the committed lengths) right behind
+            that draft, so the whole next step runs while the host reads this one; needs
+            attention plans that take lengths on the device (the ``triton`` backend's), one
+            rank, no log-probabilities asked for, and pages for two blocks past the cache
+            (reserved at admission when on). Implies ``draft_ahead``. Off by default: not yet
+            run on a GPU.
         tensor_parallel: capture graphs of a tensor-parallel model too, NCCL collectives
             inside them (``--tp-cuda-graphs``). Off by default: it has not run on several GPUs
             yet (docs/tensor_parallel.md); the uncaptured variant (``capture=False``) needs no
@@ -74,6 +81,7 @@ class CudaGraphConfig:
     capture: bool = True
     commit_graphs: bool = True
     draft_ahead: bool = False
+    verify_ahead: bool = False
     tensor_parallel: bool = False
 
     def batch_sizes(self, max_running: int) -> tuple[int, ...]:
@@ -228,8 +236,38 @@ class GraphRunner:
             raise GroupOutOfStep(f"a tensor-parallel graph replay failed on rank 0 after the "
                                  f"followers were sent it: {type(exc).__name__}: {exc}") from exc
 
-    def _replay(self, bs: int, pages: list, seq_lens: list[int],
-                broadcast_ids: bool) -> tuple[ModelOutput, ForwardBatch]:
+    @property
+    def plans_on_device(self) -> bool:
+        """Whether the attention plans take rows' lengths on the device (``advance``): the
+        ``triton`` backend's do, FlashInfer's schedule from lengths on the host."""
+        return all(callable(getattr(plan, "advance", None)) for plan in self.attention.values())
+
+    def runs_next(self, num_requests: int) -> bool:
+        """Whether :meth:`run_next` can launch a step of ``num_requests`` rows: a graph for
+        them whose attention plans take lengths on the device, on one rank."""
+        return self.serves(num_requests) and self.followers is None and self.plans_on_device
+
+    def run_next(self, starts: Sequence[int], pages: Sequence[Sequence[int]],
+                 lengths: torch.Tensor, first_ids: torch.Tensor, rest_ids: torch.Tensor | None,
+                 table: torch.Tensor) -> tuple[ModelOutput, ForwardBatch]:
+        """Launch the forward of the step after the one this runner last ran, for the same
+        rows, before the host has read how far that step moved them: row r held
+        ``starts[r]`` tokens in that step and holds ``starts[r] + lengths[r]`` now (lengths
+        on the device, 1..q_len), its tokens are ``first_ids[r]`` and ``rest_ids[r]``.
+        ``pages[r]`` must cover ``starts[r] + 2 * q_len`` positions and ``table[r]`` hold the
+        same pages on the device. Returns what :meth:`run` does. Only where
+        :meth:`runs_next`."""
+        n, q = len(starts), self.q_len
+        if not self.runs_next(n):
+            raise ValueError(f"no graph of {n} rows that plans from lengths on the device")
+        self.inputs.advance(n, lengths, first_ids, rest_ids, table, self.kv_pool.page_size)
+        # planned for the longest block they may reach, then each row cut to its own length
+        longest = [s + 2 * q for s in starts]
+        return self._replay(self.padded_size(n), list(pages), longest, False,
+                            delta=lengths - q)
+
+    def _replay(self, bs: int, pages: list, seq_lens: list[int], broadcast_ids: bool, *,
+                delta: torch.Tensor | None = None) -> tuple[ModelOutput, ForwardBatch]:
         n, q_len = len(seq_lens), self.q_len
         if broadcast_ids:
             self.model.tp.broadcast_from_leader(self.inputs.input_ids[:bs * q_len])
@@ -239,6 +277,8 @@ class GraphRunner:
             # before the previous one that has to be finished)
             self._planned.synchronize()
         self._plan(bs, pages, seq_lens)
+        if delta is not None:
+            self.attention[bs].advance(n, delta)
         self._planned = recorded_event(self.kv_pool.kv.device)
         batch = self.batches[bs]
         if self.capture_graphs:

@@ -108,7 +108,8 @@ class LLMEngine:
             max_graph_tokens=token_cap if graphs_on else None,
             runner=self.runner if sharded else None, vocab=draft_vocab if sharded else None)
         # a verify block writes block_size positions past the cache: reserve room for them
-        lookahead = self.speculator.block_size if self.speculator else 0
+        # (and for the block after it, where the next verify is launched before the read)
+        lookahead = self.speculator.lookahead_tokens if self.speculator else 0
         self.scheduler = Scheduler(replace(config.scheduler, lookahead_tokens=lookahead),
                                    self.kv_pool, self.state_pool)
         # the pools' one owner (reserve, give back), for local requests and handoffs alike

@@ -8,7 +8,8 @@ Proposals are greedy; acceptance is ``common.engine.acceptance`` (lossless for a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,9 @@ from common.engine.step_logprobs import logprobs_per_row
 from common.logprobs import TokenLogprobs
 from common.model.dflash import DFlashDraftModel, DraftKVPool
 from common.model.forward_batch import ForwardBatch, ForwardMode
-from common.model.qwen3_5 import HybridForCausalLM
+from common.model.qwen3_5 import HybridForCausalLM, ModelOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,12 +47,16 @@ class StepOutcome:
 class _DraftAhead:
     """A proposal launched before its step (``DraftGraphRunner.run_next``), and the rows it
     assumed: used only by a step of the same requests, in the same order, each where the
-    previous step left it."""
+    previous step left it. ``verify``: the step's verify launched behind it
+    (``GraphRunner.run_next``), with the proposals' host copy and the event after it."""
 
     requests: tuple[Request, ...]
     starts: tuple[int, ...]
     last_tokens: tuple[int, ...]
     drafts: torch.Tensor
+    verify: tuple[ModelOutput, ForwardBatch] | None = None
+    drafts_host: torch.Tensor | None = None
+    drafts_copied: torch.cuda.Event | None = None
 
     def fits(self, requests: list[Request]) -> bool:
         return (len(requests) == len(self.requests)
@@ -101,7 +108,8 @@ class DFlashSpeculator:
             state_pool.reserve_verify(max_requests, self.block_size)
         self.stats = {"spec_steps": 0, "spec_committed_tokens": 0, "spec_drafted_tokens": 0}
         self.verify_graphs = self.draft_graphs = self.commit_graphs = None
-        self.draft_ahead = graphs is not None and graphs.draft_ahead
+        self.verify_ahead = graphs is not None and graphs.verify_ahead
+        self.draft_ahead = graphs is not None and (graphs.draft_ahead or self.verify_ahead)
         self._ahead: _DraftAhead | None = None
         self._reader = GreedyReader(kv_pool.kv.device, max(1, max_requests))
         tokens = self.VERIFY_GRAPH_TOKENS if max_graph_tokens is None \
@@ -121,6 +129,11 @@ class DFlashSpeculator:
             self.draft_graphs = DraftGraphRunner(
                 draft, target, self.draft_pool, batch_sizes=sizes, block_size=self.block_size,
                 mask_token_id=self.mask_token_id, capture=graphs.capture, vocab=vocab)
+            if self.verify_ahead and not self.verify_graphs.plans_on_device:
+                log.warning("verify_ahead is on, but the verify's attention plans schedule "
+                            "from lengths on the host (paged_attention=%s): only the draft is "
+                            "launched ahead (--kernels gpu-triton-attention plans on the "
+                            "device)", target.graph_support().attention_backend)
             if graphs.commit_graphs:
                 # rank 0's own commit inside the graph; the followers' follows it (step)
                 self.commit_graphs = GreedyCommitGraphs(
@@ -129,6 +142,12 @@ class DFlashSpeculator:
                     commit=lambda batch, lengths: self.target.commit_verified(
                         batch, lengths, state_pool=self.state_pool),
                     capture=graphs.capture)
+
+    @property
+    def lookahead_tokens(self) -> int:
+        """Positions past a request's cache its steps may write: one block, or two where the
+        next step's verify is launched before this one's is read."""
+        return 2 * self.block_size if self.verify_ahead else self.block_size
 
     def capture_graphs(self, progress: bool = True) -> None:
         # the commit graphs read the others' outputs: captured last
@@ -192,8 +211,14 @@ class DFlashSpeculator:
             raise ValueError("a speculative request needs pages for block_size tokens past its "
                              "cache (reserve them at admission)")
         device = self.kv_pool.kv.device
-        drafts = self.propose(requests, pages)  # [N, B-1] on the device
-        if self.verify_graphs is not None and self.verify_graphs.serves(n):
+        came = self._ahead
+        if came is not None and came.verify is not None and came.fits(requests):
+            # drafted and verified while the host read the step before
+            self._ahead = None
+            drafts, (out, batch) = came.drafts, came.verify
+            drafts_host, drafts_copied = came.drafts_host, came.drafts_copied
+        elif self.verify_graphs is not None and self.verify_graphs.serves(n):
+            drafts = self.propose(requests, pages)  # [N, B-1] on the device
             # the drafts reach the verify's inputs on the device, and the host a copy of them
             # by acceptance's read: no wait between the draft and the verify graph
             drafts_host = drafts.to("cpu", non_blocking=True)
@@ -203,6 +228,7 @@ class DFlashSpeculator:
                 requests, firsts, device_ids=lambda ids, _: ids[:, 1:].copy_(drafts))
             # (the verify graph also extends the draft context)
         else:
+            drafts = self.propose(requests, pages)
             drafts_host, drafts_copied = drafts.cpu(), None
             tokens = [[r.output_ids[-1]] + d for r, d in zip(requests, drafts_host.tolist())]
             args = dict(mode=ForwardMode.VERIFY, token_ids=tokens,
@@ -231,7 +257,7 @@ class DFlashSpeculator:
                 # the draft runs
                 read = self._reader.start(matched[:, :n])
                 if self.draft_ahead:
-                    ahead = self.draft_graphs.run_next(matched[1], lengths, pages)
+                    ahead = self._launch_next(requests, matched[1], lengths, pages)
                 accepted = read()
             else:
                 matched = greedy_match(drafts, logits)
@@ -250,12 +276,38 @@ class DFlashSpeculator:
             tokens = d[:a.num_accepted] + [a.bonus]
             outcomes.append(StepOutcome(r, tokens, a, self._logprobs(r, logits[i], tokens)))
         if ahead is not None:
-            self._ahead = _DraftAhead(tuple(requests), tuple(r.num_cached for r in requests),
-                                      tuple(a.bonus for a in accepted), ahead)
+            self._ahead = replace(ahead, requests=tuple(requests),
+                                  starts=tuple(r.num_cached for r in requests),
+                                  last_tokens=tuple(a.bonus for a in accepted))
         self.stats["spec_steps"] += n
         self.stats["spec_committed_tokens"] += sum(commits)
         self.stats["spec_drafted_tokens"] += n * (b - 1)
         return outcomes
+
+    def _launch_next(self, requests: list[Request], bonus: torch.Tensor, lengths: torch.Tensor,
+                     pages: list[list[int]]) -> _DraftAhead:
+        """Launch the next step's draft, and its verify where it can be, for the same rows
+        from this step's ``bonus`` tokens and committed ``lengths`` on the device (the rows it
+        assumed are filled in once the step is read)."""
+        b, n = self.block_size, len(requests)
+        # the verify of the next block reads the outputs of this one's verify graph: none of
+        # them may be wanted after (log-probabilities), and its pages must be there already
+        verify = (self.verify_ahead and self.verify_graphs.runs_next(n) and self.runner is None
+                  and all(r.params.logprobs is None
+                          and len(r.page_ids) >= self.kv_pool.pages_for(r.num_cached + 2 * b)
+                          for r in requests))
+        if verify:
+            pages = [r.page_ids[:self.kv_pool.pages_for(r.num_cached + 2 * b)] for r in requests]
+        drafts = self.draft_graphs.run_next(bonus, lengths, pages)
+        if not verify:
+            return _DraftAhead((), (), (), drafts)
+        drafts_host = drafts.to("cpu", non_blocking=True)
+        copied = recorded_event(drafts.device)
+        out = self.verify_graphs.run_next(
+            [r.num_cached for r in requests], pages, lengths, bonus, drafts,
+            self.draft_graphs.page_table)
+        return _DraftAhead((), (), (), drafts, verify=out, drafts_host=drafts_host,
+                           drafts_copied=copied)
 
     @staticmethod
     def _logprobs(r: Request, logits: torch.Tensor,

@@ -78,6 +78,22 @@ class StaticInputs:
             out[3 * t:3 * t + n] = np.asarray(slots, dtype=np.int64)
         self.packed.copy_(host, non_blocking=True)
 
+    def advance(self, n: int, lengths: torch.Tensor, first_ids: torch.Tensor,
+                rest_ids: torch.Tensor | None, table: torch.Tensor, page_size: int) -> None:
+        """Move the first ``n`` rows on the device, nothing read on the host: row r's tokens
+        start ``lengths[r]`` positions later than the rows hold now, its ids become
+        ``first_ids[r]`` then ``rest_ids[r]`` (``[n, q_len - 1]``), and its KV slots come from
+        ``table[r]``, its page ids from its first page on (``[>= n, pages]``)."""
+        q = self.q_len
+        ids = self.input_ids[:n * q].view(n, q)
+        ids[:, 0].copy_(first_ids[:n])
+        if q > 1:
+            ids[:, 1:].copy_(rest_ids[:n])
+        pos = self.positions[:n * q].view(n, q)
+        pos.add_(lengths[:n, None].to(pos.dtype))
+        pages = table[:n].to(torch.int64).gather(1, pos // page_size)
+        self.out_cache_loc[:n * q].view(n, q).copy_(pages * page_size + pos % page_size)
+
     def batch(self, mode: ForwardMode, rows: int, attention) -> ForwardBatch:
         """The ForwardBatch of the first ``rows`` rows (views of the buffers). Its host lists
         describe the shape only: a graph forward reads lengths from ``cu_seqlens`` and the

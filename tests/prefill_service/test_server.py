@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 import pytest
@@ -86,9 +87,18 @@ def prefill_request(**over) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(**fields)
 
 
-def pool_is_whole(engine: PrefillEngine) -> bool:
-    load = engine.load()
-    return load["free_pages"] == load["total_pages"] and load["free_slots"] == load["total_slots"]
+def pool_is_whole(engine: PrefillEngine, within_s: float = 10.0) -> bool:
+    """Whether every page and slot is free, or becomes free within ``within_s``: the call's
+    end releases its request through the engine thread (``PrefillEngine.abort``), which may
+    run just after the client has read the outcome."""
+    deadline = time.monotonic() + within_s
+    while True:
+        load = engine.load()
+        if load["free_pages"] == load["total_pages"] and load["free_slots"] == load["total_slots"]:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("over,match", [

@@ -104,6 +104,12 @@ class TorchPlannedAttention:
         self.page_table = page_table(page_ids, self.device)
         self.seq_lens = list(seq_lens)
 
+    def advance(self, n: int, delta: torch.Tensor) -> None:
+        """Row r of the first ``n`` is ``delta[r]`` tokens longer than planned (shorter when
+        negative; an uncaptured plan on the host, so the deltas are read)."""
+        for r, extra in enumerate(delta[:n].tolist()):
+            self.seq_lens[r] += int(extra)
+
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         if self.page_table is None:
             raise RuntimeError("run() before plan()")

@@ -85,6 +85,12 @@ class TritonGraphAttention:
         self.packed[:used].copy_(staged, non_blocking=True)
         self._staging.queued()
 
+    def advance(self, n: int, delta: torch.Tensor) -> None:
+        """Row r of the first ``n`` is ``delta[r]`` tokens longer than planned (shorter when
+        negative), on the device: the plan of rows whose lengths the host has not read, made
+        for their longest case (so it holds every page they may reach)."""
+        self.kv_len[:n].add_(delta[:n].to(torch.int32))
+
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """[batch_size * q_len, H, D] queries -> outputs of the same shape."""
         q = q if q.stride(-1) == 1 else q.contiguous()

@@ -23,13 +23,15 @@ def models():
 
 
 def _engine(model, draft, graphs: bool, capture: bool = True,
-            overlap: bool = False, draft_ahead: bool = False) -> LLMEngine:
+            overlap: bool = False, draft_ahead: bool = False,
+            verify_ahead: bool = False) -> LLMEngine:
     """graphs=False: the plain eager engine; capture=False: the graph path's buffers, padding
     and kernels, run eagerly (what a replay must reproduce exactly)."""
     config = EngineConfig(cache=CacheConfig(page_size=16, num_pages=700, num_slots=12),
                           scheduler=SchedulerConfig(max_running_requests=10), device="cuda",
                           cuda_graph=CudaGraphConfig(enabled=graphs, max_batch_size=16,
-                                                     capture=capture, draft_ahead=draft_ahead),
+                                                     capture=capture, draft_ahead=draft_ahead,
+                                                     verify_ahead=verify_ahead),
                           overlap_schedule=overlap)
     engine = LLMEngine(model, config, draft=draft)
     if graphs:
@@ -162,6 +164,35 @@ def test_drafts_launched_ahead_give_the_tokens_of_drafts_after_the_read(models):
                                                      _fn(*a, **k))[1])
     free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
     got = engine.generate(_prompts(), params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert [r.accept_lengths for r in got] == [r.accept_lengths for r in want]
+    assert runs["run_next"] > runs["run"]
+    assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
+
+
+def test_steps_verified_ahead_give_the_tokens_of_steps_after_the_read(models):
+    """With the ``gpu-triton-attention`` set, replayed DFLASH steps whose draft and verify
+    graphs are launched behind the previous step's commit graph, before the host reads it
+    (their positions, KV slots and attention lengths moved on the device): the tokens and
+    accept lengths of steps launched after the read, the verify launched ahead in most."""
+    from common.model.kernels import Kernels
+    from common.ops.gpu_backends import backends_for
+
+    model, draft = models
+    params = [SamplingParams(temperature=0.0, max_new_tokens=40 + 5 * i, ignore_eos=True)
+              for i in range(len(LENGTHS))]
+    with kernels_of(model, Kernels.select(backends_for("gpu-triton-attention"))):
+        want = _engine(model, draft, graphs=True).generate(_prompts(), params)
+        engine = _engine(model, draft, graphs=True, verify_ahead=True)
+        graphs = engine.speculator.verify_graphs
+        runs = {"run": 0, "run_next": 0}
+        for name in runs:
+            fn = getattr(graphs, name)
+            setattr(graphs, name,
+                    lambda *a, _fn=fn, _name=name, **k: (runs.__setitem__(_name, runs[_name] + 1),
+                                                         _fn(*a, **k))[1])
+        free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
+        got = engine.generate(_prompts(), params)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     assert [r.accept_lengths for r in got] == [r.accept_lengths for r in want]
     assert runs["run_next"] > runs["run"]

@@ -2,7 +2,9 @@
 draft launched from the commit's bonus tokens and lengths on the device, before the host reads
 the step), run eagerly on the CPU (``capture=False``): every step's proposals equal those
 launched after the read, through batches that shrink, grow and pad, contexts that cross pages,
-and requests that join mid-way; tokens and accept lengths equal, nothing leaked."""
+and requests that join mid-way; tokens and accept lengths equal, nothing leaked. The shipped
+pycoder pair in fp32, so blocks are accepted to different lengths (an untrained draft's are all
+1, which a draft started at the wrong place would not show)."""
 
 from __future__ import annotations
 
@@ -16,14 +18,17 @@ from common.engine.speculative import _DraftAhead
 from common.model.dflash import load_draft
 from common.model.load import load_model
 from common.sampling import SamplingParams
+from common.tokenizer import load_tokenizer
 
 CACHE = CacheConfig(page_size=4, num_pages=400, num_slots=12)
+CODE = ("def read_lines(path):\n    with open(path", "import os\n\ndef main(", "class Point:\n",
+        "    for i in range(len(", "    return self.")
 
 
 @pytest.fixture(scope="module")
 def pair():
-    model = load_model("tiny")
-    return model, load_draft("tiny", model)
+    model = load_model("pycoder", dtype=torch.float32)
+    return model, load_draft("pycoder", model)
 
 
 def _engine(pair, ahead: bool) -> LLMEngine:
@@ -31,13 +36,12 @@ def _engine(pair, ahead: bool) -> LLMEngine:
     config = EngineConfig(cache=CACHE, cuda_graph=CudaGraphConfig(capture=False,
                                                                   draft_ahead=ahead),
                           scheduler=SchedulerConfig(max_running_requests=11))
-    return LLMEngine(model, config, draft=draft, block_size=4)
+    return LLMEngine(model, config, draft=draft, block_size=8)
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 250, (int(torch.randint(2, 15, (1,), generator=gen)),),
-                          generator=gen).tolist() for _ in range(n)]
+def _prompts(first: int, n: int) -> list[list[int]]:
+    tokenizer = load_tokenizer("pycoder")
+    return [tokenizer.encode(p) for p in CODE[first:first + n]]
 
 
 def _run(engine: LLMEngine) -> tuple[list, list, dict]:
@@ -55,12 +59,12 @@ def _run(engine: LLMEngine) -> tuple[list, list, dict]:
                                                      _fn(*a, **k))[1])
     first = [engine.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=n,
                                                   ignore_eos=True))
-             for p, n in zip(_prompts(3, 5), (40, 14, 25))]
+             for p, n in zip(_prompts(0, 3), (40, 14, 25))]
     for _ in range(4):
         engine.step()
     later = [engine.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=n,
                                                   ignore_eos=True))
-             for p, n in zip(_prompts(2, 6), (30, 12))]
+             for p, n in zip(_prompts(3, 2), (30, 12))]
     while engine.scheduler.num_requests:
         engine.step()
     return proposals, first + later, calls
@@ -77,10 +81,11 @@ def test_proposals_launched_ahead_equal_those_launched_after_the_read(pair):
     assert [r.output_ids for r in got_reqs] == [r.output_ids for r in want_reqs]
     assert [r.accept_lengths for r in got_reqs] == [r.accept_lengths for r in want_reqs]
     # steps of the same requests took the draft launched ahead; the batch's changes did not
-    assert want_calls["run_next"] == 0 and got_calls["run_next"] > 10
-    assert got_calls["run"] < want_calls["run"] - 10
+    assert want_calls["run_next"] == 0 and got_calls["run_next"] > 5
+    assert got_calls["run"] < want_calls["run"] - 5
     # the longest request's context crossed ten pages while its drafts were launched ahead
     assert max(len(r.output_ids) for r in got_reqs) >= 10 * CACHE.page_size
+    assert max(n for r in got_reqs for n in r.accept_lengths) > 2
     assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
 
 

@@ -94,6 +94,27 @@ def test_graph_plans_match_the_reference_and_plan_again(no_reference, monkeypatc
         torch.testing.assert_close(plan.run(q, k_cache, v_cache), want, **TOL)
 
 
+def test_a_plan_moved_on_the_device_is_the_plan_of_its_lengths(no_reference):
+    """Planned for the longest lengths the rows may reach, then each row cut to its own by a
+    device ``advance`` (the first two rows; the third, padding, keeps its plan)."""
+    paged_triton, want_op = no_reference
+    from common.ops.attention.triton_graph import TritonGraphAttention
+
+    page, batch, q_len = 5, 3, 4
+    q, k_cache, v_cache, table = _case(11, [40] * batch, [q_len] * batch, page=page)
+    plan = TritonGraphAttention(batch_size=batch, q_len=q_len, num_qo_heads=6, num_kv_heads=2,
+                                head_dim=24, page_size=page, max_pages=table.numel(),
+                                dtype=torch.float32, scale=0.3, device=torch.device("cpu"))
+    longest = [20 + 2 * q_len, 3 + 2 * q_len, 9]
+    plan.plan([row[:-(-n // page)].tolist() for row, n in zip(table, longest)], longest)
+    plan.advance(2, torch.tensor([1 - q_len, 3 - q_len, 99]))  # committed 1 and 3 of 4
+    lengths = [20 + q_len + 1, 3 + q_len + 3, 9]
+    want = want_op(q=q, k_cache=k_cache, v_cache=v_cache, page_table=table,
+                   prefix_lens=[n - q_len for n in lengths], extend_lens=[q_len] * batch,
+                   scale=0.3)
+    torch.testing.assert_close(plan.run(q, k_cache, v_cache), want, **TOL)
+
+
 def test_graph_plans_refuse_what_they_cannot_hold():
     from common.ops.attention.triton_graph import TritonGraphAttention
 
