@@ -53,8 +53,10 @@ def engine_config_from_args(args: argparse.Namespace, *, prefill: bool) -> Engin
 def cuda_graph_from_args(args: argparse.Namespace) -> CudaGraphConfig:
     if args.cuda_graph_max_bs < 1:
         raise ValueError(f"--cuda-graph-max-bs must be at least 1, got {args.cuda_graph_max_bs}")
+    ahead = getattr(args, "speculative_ahead", "off")
     return CudaGraphConfig(enabled=not args.disable_cuda_graph,
                            max_batch_size=args.cuda_graph_max_bs,
+                           draft_ahead=ahead in ("draft", "step"), verify_ahead=ahead == "step",
                            tensor_parallel=getattr(args, "tp_cuda_graphs", False))
 
 

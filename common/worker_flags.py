@@ -49,6 +49,10 @@ TP_CUDA_GRAPHS_HELP = ("with --tp above 1 on GPUs: replay decode (and DFLASH ver
                        "several GPUs (docs/tensor_parallel.md)")
 
 
+# --speculative-ahead's choices: what of the next DFLASH step is launched before the read
+SPECULATIVE_AHEAD = ("off", "draft", "step")
+
+
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (it is printed)")
@@ -101,6 +105,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="decode workers: a request that leaves speculation to the server "
                         "decodes without the draft when it arrives while N requests are "
                         "already decoding or waiting (default: always speculate)")
+    p.add_argument("--speculative-ahead", choices=SPECULATIVE_AHEAD, default="off",
+                   help="decode workers, greedy DFLASH steps in CUDA graphs: launch the next "
+                        "step's draft ('draft'), or its draft and verify ('step': needs "
+                        "--kernels gpu-triton-attention), before the host reads the step; not "
+                        "yet timed on a GPU (docs/cuda_graphs.md) (default: %(default)s)")
     add_kernel_args(p)
     add_tp_arg(p)
     add_cuda_graph_args(p)

@@ -37,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 # Worker flags that `flashsplit up` passes through unchanged (--device is spread over workers).
 _WORKER_FLAGS = ("--dtype", "--page-size", "--num-pages", "--num-slots", "--max-prefill-tokens",
                  "--max-running-requests", "--draft", "--block-size",
-                 "--speculative-disable-by-batch-size", "--kernels",
+                 "--speculative-disable-by-batch-size", "--speculative-ahead", "--kernels",
                  "--cuda-graph-max-bs", "--handoff-transport", "--tp-handoff", "--cpu-threads")
 # where `up` itself does something when the flag is not given
 _UP_HELP = {"--cpu-threads": "on the CPU: every worker's threads (0: every CPU it may use); "

@@ -148,6 +148,9 @@ def test_up_flags_become_the_cluster_config():
     graphs = cluster_config_from_args(build_parser().parse_args(
         ["up", "--decode-tp", "2", "--tp-cuda-graphs"]))
     assert "--tp-cuda-graphs" in graphs.worker_args
+    ahead = cluster_config_from_args(build_parser().parse_args(
+        ["up", "--draft", "tiny", "--speculative-ahead", "step"]))
+    assert ahead.worker_args == ("--draft", "tiny", "--speculative-ahead", "step")
     threads = cluster_config_from_args(build_parser().parse_args(["up", "--cpu-threads", "3"]))
     assert threads.worker_args == ("--cpu-threads", "3")  # then no share is added
     limit = cluster_config_from_args(build_parser().parse_args(

@@ -73,6 +73,14 @@ def test_the_speculation_batch_limit_is_a_worker_flag():
     assert engine_config_from_args(args, prefill=False).speculative_disable_by_batch_size == 8
 
 
+@pytest.mark.parametrize("flag,draft,verify", [(None, False, False), ("off", False, False),
+                                               ("draft", True, False), ("step", True, True)])
+def test_what_a_dflash_step_launches_ahead_is_a_worker_flag(flag, draft, verify):
+    args = worker_args(*([] if flag is None else ["--speculative-ahead", flag]))
+    graphs = engine_config_from_args(args, prefill=False).cuda_graph
+    assert (graphs.draft_ahead, graphs.verify_ahead) == (draft, verify)
+
+
 def test_a_block_size_reaches_the_speculator():
     built = build_engine(EngineSettings(model="tiny", draft="tiny", block_size=2))
     assert built.engine.speculator.block_size == 2
