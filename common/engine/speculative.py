@@ -290,8 +290,8 @@ class DFlashSpeculator:
         from this step's ``bonus`` tokens and committed ``lengths`` on the device (the rows it
         assumed are filled in once the step is read)."""
         b, n = self.block_size, len(requests)
-        # the verify of the next block reads the outputs of this one's verify graph: none of
-        # them may be wanted after (log-probabilities), and its pages must be there already
+        # the next verify writes over this one's logits, so none may be read after it
+        # (log-probabilities); and the pages of the block after next must be there already
         verify = (self.verify_ahead and self.verify_graphs.runs_next(n) and self.runner is None
                   and all(r.params.logprobs is None
                           and len(r.page_ids) >= self.kv_pool.pages_for(r.num_cached + 2 * b)
