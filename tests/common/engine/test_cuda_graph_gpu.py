@@ -1,5 +1,6 @@
 """On the GPU: decode and DFLASH steps replayed from CUDA graphs give the eager engine's tokens,
-for a Qwen3.5-4B-shaped model with random bf16 weights, with batches that need padding."""
+for a Qwen3.5-4B-shaped model with random bf16 weights, with batches that need padding; steps
+launched ahead of the read, with the shipped trained pair (whose accept lengths vary)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
 from common.sampling import SamplingParams
+from tests.common.engine.ahead_runs import code_prompts, count_calls, trained_pair
 
 pytestmark = pytest.mark.gpu
 
@@ -147,54 +149,41 @@ def test_replay_gives_eager_tokens(models, speculative):
         assert [r.accept_lengths for r in got] == [r.accept_lengths for r in want]
 
 
-def test_drafts_launched_ahead_give_the_tokens_of_drafts_after_the_read(models):
-    """Replayed DFLASH steps whose draft graph is launched behind the previous step's commit
-    graph, before the host reads it: the same tokens and accept lengths as drafting after the
-    read, the draft launched ahead in most steps."""
-    model, draft = models
-    params = [SamplingParams(temperature=0.0, max_new_tokens=40 + 5 * i, ignore_eos=True)
-              for i in range(len(LENGTHS))]
-    want = _engine(model, draft, graphs=True).generate(_prompts(), params)
-    engine = _engine(model, draft, graphs=True, draft_ahead=True)
-    runs = {"run": 0, "run_next": 0}
-    for name in runs:
-        fn = getattr(engine.speculator.draft_graphs, name)
-        setattr(engine.speculator.draft_graphs, name,
-                lambda *a, _fn=fn, _name=name, **k: (runs.__setitem__(_name, runs[_name] + 1),
-                                                     _fn(*a, **k))[1])
-    free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
-    got = engine.generate(_prompts(), params)
-    assert [r.output_ids for r in got] == [r.output_ids for r in want]
-    assert [r.accept_lengths for r in got] == [r.accept_lengths for r in want]
-    assert runs["run_next"] > runs["run"]
-    assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
+@pytest.fixture(scope="module")
+def trained():
+    """The shipped trained pair (bf16): its blocks are accepted to different lengths."""
+    from common.model.kernels import select_kernels
+
+    return trained_pair(device="cuda", kernels=select_kernels("gpu"))
 
 
-def test_steps_verified_ahead_give_the_tokens_of_steps_after_the_read(models):
-    """With the ``gpu-triton-attention`` set, replayed DFLASH steps whose draft and verify
-    graphs are launched behind the previous step's commit graph, before the host reads it
-    (their positions, KV slots and attention lengths moved on the device): the tokens and
-    accept lengths of steps launched after the read, the verify launched ahead in most."""
+@pytest.mark.parametrize("kernels,runner,ahead", [
+    ("gpu", "draft_graphs", dict(draft_ahead=True)),
+    ("gpu-triton-attention", "draft_graphs", dict(draft_ahead=True)),
+    ("gpu-triton-attention", "verify_graphs", dict(verify_ahead=True)),
+], ids=["draft", "draft-triton", "step-triton"])
+def test_steps_launched_ahead_give_the_tokens_of_steps_after_the_read(trained, kernels, runner,
+                                                                       ahead):
+    """Replayed DFLASH steps whose draft graph (and verify graph: ``verify_ahead``, positions,
+    KV slots and attention lengths moved on the device) is launched behind the previous
+    step's commit graph, before the host reads it: the tokens and accept lengths of steps
+    launched after the read, launched ahead in most steps."""
     from common.model.kernels import Kernels
     from common.ops.gpu_backends import backends_for
 
-    model, draft = models
-    params = [SamplingParams(temperature=0.0, max_new_tokens=40 + 5 * i, ignore_eos=True)
-              for i in range(len(LENGTHS))]
-    with kernels_of(model, Kernels.select(backends_for("gpu-triton-attention"))):
-        want = _engine(model, draft, graphs=True).generate(_prompts(), params)
-        engine = _engine(model, draft, graphs=True, verify_ahead=True)
-        graphs = engine.speculator.verify_graphs
-        runs = {"run": 0, "run_next": 0}
-        for name in runs:
-            fn = getattr(graphs, name)
-            setattr(graphs, name,
-                    lambda *a, _fn=fn, _name=name, **k: (runs.__setitem__(_name, runs[_name] + 1),
-                                                         _fn(*a, **k))[1])
+    model, draft = trained
+    prompts = code_prompts()
+    params = [SamplingParams(temperature=0.0, max_new_tokens=60 + 7 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    with kernels_of(model, Kernels.select(backends_for(kernels))):
+        want = _engine(model, draft, graphs=True).generate(prompts, params)
+        engine = _engine(model, draft, graphs=True, **ahead)
+        runs = count_calls(getattr(engine.speculator, runner), "run", "run_next")
         free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
-        got = engine.generate(_prompts(), params)
+        got = engine.generate(prompts, params)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     assert [r.accept_lengths for r in got] == [r.accept_lengths for r in want]
+    assert max(n for r in got for n in r.accept_lengths) > 2
     assert runs["run_next"] > runs["run"]
     assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
 
