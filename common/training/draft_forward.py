@@ -194,13 +194,8 @@ def block_loss(draft: DFlashDraftModel, aux: torch.Tensor, tokens: torch.Tensor,
     if loss_decay_gamma:
         weights = torch.exp(-(rows - 1).float() / loss_decay_gamma)
     correct = logits.argmax(-1) == targets
-    if labels is None:
-        loss = (ce.view(s, a, b - 1) * weights).sum() / (weights.sum() * s * a)
-        with torch.no_grad():
-            accuracy = correct.float().mean()
-            accept = 1.0 + correct.long().cumprod(-1).sum(-1).float().mean()
-        return BlockLoss(loss=loss, accuracy=accuracy, accept_length=accept)
-    counted = labels.to(tokens.device).gather(1, at).view(s, a, b - 1)
+    counted = torch.ones_like(correct) if labels is None \
+        else labels.to(tokens.device).gather(1, at).view(s, a, b - 1)
     w = weights * counted
     # an anchor none of whose rows count (fewer label positions than anchors) adds nothing
     loss = (ce.view(s, a, b - 1) * w).sum() / w.sum().clamp_min(1e-6)

@@ -25,7 +25,6 @@ import torch
 from common.tokenizer import Tokenizer
 
 
-
 class Continuation(list):
     """Token ids whose first ``prompt_tokens`` are a prompt and the rest what a model wrote."""
 

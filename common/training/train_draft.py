@@ -88,12 +88,10 @@ class _Run:
         stream, labels = token_stream_and_labels(read_documents(config.data), tokenizer,
                                                  separator=eos[0] if eos else None,
                                                  vocab_size=self.target.config.vocab_size)
-        self.stream_tokens = int(stream.numel())
-        self.label_tokens = int(labels.sum())
-        # all-label data draws its anchors as it always has (the same draft from the same seed)
-        self.labels = not (config.train_on_prompts or bool(labels.all()))
-        self.sampler = WindowSampler(stream, config.seq_len, config.seed,
-                                     labels=labels if self.labels else None)
+        if config.train_on_prompts:
+            labels = torch.ones_like(labels)
+        self.stream_tokens, self.label_tokens = int(stream.numel()), int(labels.sum())
+        self.sampler = WindowSampler(stream, config.seq_len, config.seed, labels=labels)
         self.anchor_gen = torch.Generator().manual_seed(config.seed + 1)
         self.save_dtype = config.dtype or str(self.target.dtype).replace("torch.", "")
         mask = resolve_mask_token_id(config.arch.mask_token_id, tokenizer, self.target.config)
@@ -165,7 +163,6 @@ class _Run:
             group["lr"] = lr
         # on the CPU: the capture batch reads them
         windows, labels = self.sampler.sample_with_labels(c.batch_size)
-        labels = labels if self.labels else None
         aux = self.capture(windows)
         tokens = windows.to(self.device)
         anchors = sample_anchors(c.batch_size, c.seq_len, c.arch.block_size, c.num_anchors,
@@ -239,14 +236,14 @@ def _write_report(run: _Run, seconds: float) -> dict:
         "target_config": run.target.config.raw,
         "data": config.data,
         "data_tokens": run.stream_tokens,
-        "label_tokens": run.label_tokens if run.labels else run.stream_tokens,
+        "label_tokens": run.label_tokens,
         "data_made_by": read_provenance(config.data),
         "training": {
             **json.loads(json.dumps(dataclasses.asdict(config))),
             "objective": "block diffusion: random anchors, blocks [anchor, MASK x (B-1)], "
                          "cross-entropy on the masked rows, decay exp(-(k-1)/gamma)"
                          + ("; anchors and rows on the target's own tokens only"
-                            if run.labels else ""),
+                            if run.label_tokens < run.stream_tokens else ""),
             "steps": run.step, "seconds": round(seconds, 1),
             "tokens_captured": run.step * config.batch_size * config.seq_len,
             "final": {"loss": _mean(last, 1), "accuracy": _mean(last, 2),
