@@ -293,11 +293,13 @@ class DFlashSpeculator:
         # the next verify writes over this one's logits, so none may be read after it
         # (log-probabilities); and the pages of the block after next must be there already
         verify = (self.verify_ahead and self.verify_graphs.runs_next(n) and self.runner is None
-                  and all(r.params.logprobs is None
-                          and len(r.page_ids) >= self.kv_pool.pages_for(r.num_cached + 2 * b)
-                          for r in requests))
+                  and all(r.params.logprobs is None for r in requests))
         if verify:
-            pages = [r.page_ids[:self.kv_pool.pages_for(r.num_cached + 2 * b)] for r in requests]
+            reach = [self.kv_pool.pages_for(r.num_cached + 2 * b) for r in requests]
+            if all(len(r.page_ids) >= k for r, k in zip(requests, reach)):
+                pages = [r.page_ids[:k] for r, k in zip(requests, reach)]
+            else:
+                verify = False
         drafts = self.draft_graphs.run_next(bonus, lengths, pages)
         if not verify:
             return _DraftAhead((), (), (), drafts)
