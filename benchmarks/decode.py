@@ -60,6 +60,21 @@ def build(kernels: str, with_draft: bool, shape: str = "qwen3.5-4b"):
     return model.eval(), draft
 
 
+def add_dflash_step_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of how a greedy DFLASH step runs in graphs, against their baselines
+    (``CudaGraphConfig``'s ``commit_graphs``, ``draft_ahead``, ``verify_ahead``)."""
+    p.add_argument("--no-commit-graphs", dest="commit_graphs", action="store_false",
+                   help="launch a greedy DFLASH step's acceptance and GDN commit one by one "
+                        "(the baseline of the commit graphs)")
+    p.add_argument("--draft-ahead", action="store_true",
+                   help="launch each DFLASH step's draft before the previous step is read "
+                        "(CudaGraphConfig.draft_ahead)")
+    p.add_argument("--verify-ahead", action="store_true",
+                   help="launch each DFLASH step's draft and verify before the previous step "
+                        "is read (CudaGraphConfig.verify_ahead; needs attention plans that take "
+                        "lengths on the device: --kernels gpu-triton-attention)")
+
+
 def engine_for(model, draft, *, block_size=None, max_running=256, graphs=False, overlap=False,
                device="cuda", commit_graphs=True, draft_ahead=False, verify_ahead=False):
     """An engine on ``device`` (the GPU by default); with ``graphs`` its CUDA graphs are

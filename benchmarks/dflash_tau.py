@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.decode import add_dflash_step_flags
 from common.engine.cuda_graph import CudaGraphConfig
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
@@ -257,16 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--no-commit-graphs", dest="commit_graphs", action="store_false",
-                   help="launch a greedy step's acceptance and GDN commit one by one (the "
-                        "baseline of the commit graphs)")
-    p.add_argument("--draft-ahead", action="store_true",
-                   help="launch each step's draft before the previous step is read "
-                        "(CudaGraphConfig.draft_ahead)")
-    p.add_argument("--verify-ahead", action="store_true",
-                   help="launch each DFLASH step's draft and verify before the previous step "
-                        "is read (CudaGraphConfig.verify_ahead; needs attention plans that take "
-                        "lengths on the device: --kernels gpu-triton-attention)")
+    add_dflash_step_flags(p)
     args = p.parse_args(argv)
     config = TauConfig(
         model=args.model, draft=args.draft, data=args.data,

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.decode import build, engine_for, fill_batch
+from benchmarks.decode import add_dflash_step_flags, build, engine_for, fill_batch
 from benchmarks.shapes import DRAFTS, SHAPES
 from common.engine import speculative
 from common.engine.cuda_graph import CudaGraphConfig
@@ -205,16 +205,7 @@ def main(argv=None) -> int:
                    help="a kernel set (e.g. gpu-no-pdl, reference; default: the workers' "
                         "choice for --device, gpu on CUDA and cpu elsewhere)")
     p.add_argument("--out", default="out/profile.json")
-    p.add_argument("--no-commit-graphs", dest="commit_graphs", action="store_false",
-                   help="launch a greedy DFLASH step's acceptance and GDN commit one by one "
-                        "(the baseline of the commit graphs)")
-    p.add_argument("--draft-ahead", action="store_true",
-                   help="launch each DFLASH step's draft before the previous step is read "
-                        "(CudaGraphConfig.draft_ahead)")
-    p.add_argument("--verify-ahead", action="store_true",
-                   help="launch each DFLASH step's draft and verify before the previous step "
-                        "is read (CudaGraphConfig.verify_ahead; needs attention plans that take "
-                        "lengths on the device: --kernels gpu-triton-attention)")
+    add_dflash_step_flags(p)
     args = p.parse_args(argv)
     kernels = set_for_device(args.kernels, args.device)
     if args.model == "tiny":
