@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.cuda_graph import recorded_event
 from common.engine.sampler import exponential_noise, filtered_probs
 from common.sampling import SamplingParams
 
@@ -72,8 +73,7 @@ class GreedyReader:
                                      pin_memory=True)
         host = self._host[:, :n]
         host.copy_(matched, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+        copied = recorded_event(self.device)
 
         def read() -> list[Acceptance]:
             copied.synchronize()
