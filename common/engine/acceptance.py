@@ -68,11 +68,13 @@ class GreedyReader:
             values = matched.clone()
             return lambda: read_greedy(values)
         n = matched.shape[1]
-        if self._host is None or self._host.shape[1] < n or self._host.dtype != matched.dtype:
-            self._host = torch.empty(2, max(n, self._rows), dtype=matched.dtype,
+        if self._host is None or self._host.numel() < 2 * n or self._host.dtype != matched.dtype:
+            self._host = torch.empty(2 * max(n, self._rows), dtype=matched.dtype,
                                      pin_memory=True)
-        host = self._host[:, :n]
-        host.copy_(matched, non_blocking=True)
+        # a contiguous view: a copy into a strided host tensor goes through a staging
+        # tensor and waits for the stream, whatever non_blocking says
+        host = self._host[:2 * n].view(2, n)
+        host.copy_(matched.contiguous(), non_blocking=True)
         copied = recorded_event(self.device)
 
         def read() -> list[Acceptance]:

@@ -65,12 +65,16 @@ def test_a_greedy_read_gives_the_outcome_as_it_was_when_started():
 
 
 @pytest.mark.gpu
-def test_a_greedy_read_on_the_gpu_waits_for_its_copy_only():
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_a_greedy_read_on_the_gpu_waits_for_its_copy_only(rows):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     matched = torch.tensor([[3, 1], [40, 41]], device="cuda")
-    reader = acceptance.GreedyReader("cuda", rows=1)
+    reader = acceptance.GreedyReader("cuda", rows=rows)
+    torch.cuda._sleep(10_000_000)  # the step the outcome comes from, still running
     read = reader.start(matched)
+    # starting the read queued the copy without waiting for the work before it
+    assert not torch.cuda.current_stream().query()
     matched.fill_(0)
     torch.cuda._sleep(10_000_000)  # later work still running when the read returns
     assert [(a.num_accepted, a.bonus) for a in read()] == [(3, 40), (1, 41)]
