@@ -188,6 +188,34 @@ def test_steps_launched_ahead_give_the_tokens_of_steps_after_the_read(trained, k
     assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
 
 
+def test_a_step_launched_ahead_is_taken_in_without_a_stream_synchronisation(trained):
+    """Steady-state DFLASH steps with the next verify launched ahead: the host waits on
+    events only, never for the whole stream (which holds the step launched ahead), so no
+    step raises under ``torch.cuda.set_sync_debug_mode("error")``. A copy of the outcome into
+    a strided pinned buffer made every step wait so (2026-12-06)."""
+    from common.model.kernels import Kernels
+    from common.ops.gpu_backends import backends_for
+
+    model, draft = trained
+    with kernels_of(model, Kernels.select(backends_for("gpu-triton-attention"))):
+        engine = _engine(model, draft, graphs=True, verify_ahead=True)
+        runs = count_calls(engine.speculator.verify_graphs, "run", "run_next")
+        engine.add_request(code_prompts(0, 1)[0],
+                           SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True))
+        for _ in range(3):  # prefill, then steps until one launched ahead is taken
+            engine.step()
+        taken = runs["run_next"]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(6):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert runs["run_next"] == taken + 6 and engine.has_work()
+        while engine.scheduler.num_requests:
+            engine.step()
+
+
 @pytest.mark.parametrize("speculative", [False, True], ids=["decode", "dflash"])
 def test_triton_attention_replays_give_its_eager_tokens(models, speculative):
     """The ``gpu-triton-attention`` set: decode and verify graphs whose attention plans are
