@@ -11,7 +11,10 @@ tokens are the same).
 
 Speed: for each batch size b, b prompts run to completion at once, with and without the draft
 (block size: the largest of ``--blocks``), after a warm-up that captures the CUDA graphs;
-tokens/s counts output tokens over the wall time of the whole run (prefill included).
+tokens/s counts output tokens over the wall time of the whole run (prefill included); "decode
+x" is the ratio of decode alone: the tokens after every request of a batch has its first one,
+over the time after that (what a split's decode worker does; `benchmarks.dflash_serving`'s
+"decode x" is the same ratio from the streams' time per output token).
 
     python -m benchmarks.dflash_tau --model pycoder --draft pycoder --data CORPUS/eval.jsonl \
         [--blocks 8,16] [--temperatures 0,0.7] [--num-prompts 64] [--device cuda] \
@@ -80,15 +83,60 @@ class TauRow:
 
 @dataclass
 class SpeedRow:
+    """Tokens/s each way: whole requests (prefill included) and decode alone (the tokens
+    after every request of a batch has its first one, over the time after that)."""
+
     batch: int
     block_size: int
     plain_tokens_per_s: float
     dflash_tokens_per_s: float
     tau: float
+    plain_decode_tokens_per_s: float = 0.0
+    dflash_decode_tokens_per_s: float = 0.0
 
     @property
     def speedup(self) -> float:
         return self.dflash_tokens_per_s / self.plain_tokens_per_s
+
+    @property
+    def decode_speedup(self) -> float:
+        if not self.plain_decode_tokens_per_s:
+            return float("nan")
+        return self.dflash_decode_tokens_per_s / self.plain_decode_tokens_per_s
+
+
+@dataclass
+class Timed:
+    """One batch run to its end: all of it, and its decode part (after its last first token)."""
+
+    requests: list
+    seconds: float
+    decode_tokens: int
+    decode_seconds: float
+
+
+def timed_generate(engine: LLMEngine, prompts, params: SamplingParams,
+                    on_gpu: bool) -> Timed:
+    """``engine.generate`` stepped by hand, noting when every request has its first token
+    (a step's tokens are on the host when :meth:`LLMEngine.step` returns)."""
+    if on_gpu:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    reqs = [engine.add_request(p, params) for p in prompts]
+    decode_from, tokens_before = None, 0
+    while engine.scheduler.num_requests:
+        if not engine.has_work():
+            raise RuntimeError("requests are waiting for room that nothing will free")
+        engine.step()
+        if decode_from is None and all(r.output_ids for r in reqs):
+            decode_from = time.perf_counter()
+            tokens_before = sum(len(r.output_ids) for r in reqs)
+    if on_gpu:
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    total = sum(len(r.output_ids) for r in reqs)
+    decode_from = end if decode_from is None else decode_from
+    return Timed(reqs, end - start, total - tokens_before, end - decode_from)
 
 
 @dataclass
@@ -194,25 +242,21 @@ def _speed(config: TauConfig, engines: _Engines, prompts, batch: int) -> SpeedRo
                             ignore_eos=True)
     on_gpu = torch.device(config.device).type == "cuda"
     block = max(config.blocks)
-    rates, tau = {}, 0.0
+    rates, decode_rates, tau = {}, {}, 0.0
     for which in (None, block):
         engine = engines.get(which)
         engine.generate(batches[0], replace(params, max_new_tokens=2))  # warm: first-call costs
-        tokens, seconds, lengths = 0, 0.0, []
-        for chosen in batches:
-            if on_gpu:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            reqs = engine.generate(chosen, params)
-            if on_gpu:
-                torch.cuda.synchronize()
-            seconds += time.perf_counter() - start
-            tokens += sum(len(r.output_ids) for r in reqs)
-            lengths += [n for r in reqs for n in r.accept_lengths]
-        rates[which] = tokens / seconds
+        runs = [timed_generate(engine, chosen, params, on_gpu) for chosen in batches]
+        tokens = sum(len(r.output_ids) for run in runs for r in run.requests)
+        rates[which] = tokens / sum(run.seconds for run in runs)
+        decode_seconds = sum(run.decode_seconds for run in runs)
+        decode_rates[which] = (sum(run.decode_tokens for run in runs) / decode_seconds
+                               if decode_seconds > 0 else 0.0)
         if which is not None:
+            lengths = [n for run in runs for r in run.requests for n in r.accept_lengths]
             tau = sum(lengths) / max(1, len(lengths))
-    return SpeedRow(batch, block, rates[None], rates[block], tau)
+    return SpeedRow(batch, block, rates[None], rates[block], tau,
+                    decode_rates[None], decode_rates[block])
 
 
 def format_table(report: TauReport) -> str:
@@ -224,16 +268,18 @@ def format_table(report: TauReport) -> str:
                      f"{r.tokens:>7}  {same:>9}")
     if report.speed:
         lines += ["", f"{'batch':>5}  {'block':>5}  {'plain tok/s':>11}  {'dflash tok/s':>12}  "
-                      f"{'speedup':>7}  {'tau':>5}"]
+                      f"{'speedup':>7}  {'decode x':>8}  {'tau':>5}"]
         for s in report.speed:
             lines.append(f"{s.batch:>5}  {s.block_size:>5}  {s.plain_tokens_per_s:>11.1f}  "
-                         f"{s.dflash_tokens_per_s:>12.1f}  {s.speedup:>6.2f}x  {s.tau:>5.2f}")
+                         f"{s.dflash_tokens_per_s:>12.1f}  {s.speedup:>6.2f}x  "
+                         f"{s.decode_speedup:>7.2f}x  {s.tau:>5.2f}")
     return "\n".join(lines)
 
 
 def as_json(report: TauReport) -> dict:
     return {"config": asdict(report.config), "tau": [asdict(r) for r in report.rows],
-            "speed": [{**asdict(s), "speedup": s.speedup} for s in report.speed]}
+            "speed": [{**asdict(s), "speedup": s.speedup, "decode_speedup": s.decode_speedup}
+                      for s in report.speed]}
 
 
 def _floats(text: str) -> tuple[float, ...]:

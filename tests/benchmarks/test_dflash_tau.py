@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.dflash_tau import TauConfig, as_json, format_table, main, run_tau
+from benchmarks.dflash_tau import TauConfig, timed_generate, as_json, format_table, main, run_tau
+from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+from common.model.load import load_model
+from common.sampling import SamplingParams
 
 
 def test_tau_rows_and_speed(tmp_path):
@@ -23,8 +26,11 @@ def test_tau_rows_and_speed(tmp_path):
     (speed,) = report.speed
     assert speed.batch == 2 and speed.block_size == 8 and speed.plain_tokens_per_s > 0
     assert speed.speedup == speed.dflash_tokens_per_s / speed.plain_tokens_per_s
+    assert speed.plain_decode_tokens_per_s > 0 and speed.dflash_decode_tokens_per_s > 0
+    assert speed.decode_speedup == (speed.dflash_decode_tokens_per_s
+                                    / speed.plain_decode_tokens_per_s)
     table = format_table(report)
-    assert "tau" in table.splitlines()[0] and "speedup" in table
+    assert "tau" in table.splitlines()[0] and "speedup" in table and "decode x" in table
     assert as_json(report)["tau"][0]["block_size"] == 4
 
 
@@ -38,3 +44,15 @@ def test_cli_prints_the_table_last_and_writes_json(tmp_path, capsys):
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[0].split()[:3] == ["block", "temp", "tau"] and len(printed) == 2
     assert json.loads(out.read_text())["tau"][0]["identical"] == 1.0
+
+
+def test_decode_alone_counts_the_tokens_after_every_first_token():
+    engine = LLMEngine(load_model("tiny"), EngineConfig(
+        cache=CacheConfig(page_size=4, num_pages=40, num_slots=4)))
+    params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    run = timed_generate(engine, [[3, 4, 5], [6, 7, 8, 9]], params, on_gpu=False)
+    assert [len(r.output_ids) for r in run.requests] == [5, 5]
+    # both prompts are prefilled in the first step, each giving its first token there
+    assert run.decode_tokens == 2 * 5 - 2
+    assert 0 < run.decode_seconds < run.seconds
+    assert engine.scheduler.num_requests == 0
