@@ -188,30 +188,45 @@ def test_steps_launched_ahead_give_the_tokens_of_steps_after_the_read(trained, k
     assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
 
 
-def test_a_step_launched_ahead_is_taken_in_without_a_stream_synchronisation(trained):
-    """Steady-state DFLASH steps with the next verify launched ahead: the host waits on
-    events only, never for the whole stream (which holds the step launched ahead), so no
-    step raises under ``torch.cuda.set_sync_debug_mode("error")``. A copy of the outcome into
-    a strided pinned buffer made every step wait so (2026-12-06)."""
+def test_the_next_step_is_launched_while_the_step_before_still_runs(trained):
+    """Steady-state DFLASH steps with the next verify launched ahead: the host launches the
+    next step without waiting for the work queued before it (here a sleep behind each step's
+    commit graph is still running when the next verify is launched), and waits on events
+    only, never for the whole stream (no step raises under
+    ``torch.cuda.set_sync_debug_mode("error")``). A copy of the outcome into a strided pinned
+    buffer waited so in every step (2026-12-06)."""
     from common.model.kernels import Kernels
     from common.ops.gpu_backends import backends_for
 
     model, draft = trained
     with kernels_of(model, Kernels.select(backends_for("gpu-triton-attention"))):
         engine = _engine(model, draft, graphs=True, verify_ahead=True)
-        runs = count_calls(engine.speculator.verify_graphs, "run", "run_next")
+        spec = engine.speculator
+        busy_at_launch = []
+        commit, run_next = spec.commit_graphs.run, spec.verify_graphs.run_next
+
+        def slow_commit(*args, **kwargs):
+            out = commit(*args, **kwargs)
+            torch.cuda._sleep(20_000_000)  # milliseconds of device work behind the commit
+            return out
+
+        def watched_run_next(*args, **kwargs):
+            busy_at_launch.append(not torch.cuda.current_stream().query())
+            return run_next(*args, **kwargs)
+
+        spec.commit_graphs.run, spec.verify_graphs.run_next = slow_commit, watched_run_next
         engine.add_request(code_prompts(0, 1)[0],
                            SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True))
         for _ in range(3):  # prefill, then steps until one launched ahead is taken
             engine.step()
-        taken = runs["run_next"]
+        launched = len(busy_at_launch)
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(6):
                 engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert runs["run_next"] == taken + 6 and engine.has_work()
+        assert busy_at_launch[launched:] == [True] * 6 and engine.has_work()
         while engine.scheduler.num_requests:
             engine.step()
 
