@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from common.cache.kv_pool import page_table
 from common.engine.cuda_graph import capture_graphs
 from common.engine.request import Request
 from common.model.dflash import DFlashDraftModel, DraftKVPool
 from common.model.qwen3_5 import HybridForCausalLM
+from common.ops.attention.planned import PinnedStaging
 
 
 class DraftGraphRunner:
@@ -44,6 +44,9 @@ class DraftGraphRunner:
         self.starts = torch.zeros(rows, dtype=torch.int64, device=device)
         # a row can hold every page of the pool: rows never need to grow
         self.page_table = torch.zeros(rows, pool.num_pages, dtype=torch.int32, device=device)
+        # pinned on a GPU: a copy from pageable memory may wait for the stream, which holds
+        # the step before when this one is launched ahead of its read
+        self._pages = PinnedStaging(device, rows * 64, limit=self.page_table.numel())
         self._host = torch.zeros(2, rows, dtype=torch.int64)  # last tokens, starts
         if device.type == "cuda":
             self._host = self._host.pin_memory()
@@ -77,8 +80,16 @@ class DraftGraphRunner:
         self.starts.copy_(self._host[1], non_blocking=True)
 
     def _write_pages(self, pages: Sequence[Sequence[int]]) -> None:
-        table = page_table(pages)
-        self.page_table[:len(pages), :table.shape[1]].copy_(table, non_blocking=True)
+        """Rows ``pages[r]`` of the page table (short rows padded with page 0, scratch)."""
+        n = len(pages)
+        width = max(1, max((len(p) for p in pages), default=0))
+        staged = self._pages.take(n * width).view(n, width)
+        host = staged.numpy()
+        host[:] = 0
+        for r, p in enumerate(pages):
+            host[r, :len(p)] = p
+        self.page_table[:n, :width].copy_(staged, non_blocking=True)
+        self._pages.queued()
 
     def capture(self, progress: bool = True) -> None:
         if self.captured:
