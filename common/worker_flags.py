@@ -108,8 +108,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-ahead", choices=SPECULATIVE_AHEAD, default="off",
                    help="decode workers, greedy DFLASH steps in CUDA graphs: launch the next "
                         "step's draft ('draft'), or its draft and verify ('step': needs "
-                        "--kernels gpu-triton-attention), before the host reads the step; not "
-                        "yet timed on a GPU (docs/cuda_graphs.md) (default: %(default)s)")
+                        "--kernels gpu-triton-attention), before the host reads the step; off by "
+                        "default until timed (docs/cuda_graphs.md) (default: %(default)s)")
     add_kernel_args(p)
     add_tp_arg(p)
     add_cuda_graph_args(p)

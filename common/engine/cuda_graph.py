@@ -68,8 +68,8 @@ class CudaGraphConfig:
             that draft, so the whole next step runs while the host reads this one; needs
             attention plans that take lengths on the device (the ``triton`` backend's), one
             rank, no log-probabilities asked for, and pages for two blocks past the cache
-            (reserved at admission when on). Implies ``draft_ahead``. Off by default: not yet
-            run on a GPU.
+            (reserved at admission when on). Implies ``draft_ahead``. Off by default: its
+            first GPU timing found the read waiting for the whole stream; fixed, not yet timed.
         tensor_parallel: capture graphs of a tensor-parallel model too, NCCL collectives
             inside them (``--tp-cuda-graphs``). Off by default: it has not run on several GPUs
             yet (docs/tensor_parallel.md); the uncaptured variant (``capture=False``) needs no

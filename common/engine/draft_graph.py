@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from common.cache.kv_pool import page_table
 from common.engine.cuda_graph import capture_graphs
 from common.engine.request import Request
 from common.model.dflash import DFlashDraftModel, DraftKVPool
@@ -80,15 +81,10 @@ class DraftGraphRunner:
         self.starts.copy_(self._host[1], non_blocking=True)
 
     def _write_pages(self, pages: Sequence[Sequence[int]]) -> None:
-        """Rows ``pages[r]`` of the page table (short rows padded with page 0, scratch)."""
-        n = len(pages)
-        width = max(1, max((len(p) for p in pages), default=0))
-        staged = self._pages.take(n * width).view(n, width)
-        host = staged.numpy()
-        host[:] = 0
-        for r, p in enumerate(pages):
-            host[r, :len(p)] = p
-        self.page_table[:n, :width].copy_(staged, non_blocking=True)
+        table = page_table(pages)
+        staged = self._pages.take(table.numel()).view(table.shape)
+        staged.copy_(table)
+        self.page_table[:len(pages), :table.shape[1]].copy_(staged, non_blocking=True)
         self._pages.queued()
 
     def capture(self, progress: bool = True) -> None:
