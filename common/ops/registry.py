@@ -108,9 +108,17 @@ Factory = Callable[[], Callable[..., Any]]
 
 
 def _import_factory(module: str, attr: str, **options: Any) -> Factory:
-    """A factory for ``module.attr``, with ``options`` bound as keyword arguments if any."""
+    """A factory for ``module.attr``, with ``options`` bound as keyword arguments if any.
+
+    A backend module whose library is imported only inside its functions defines
+    ``require()``, raising ImportError when that library cannot load: called here, so a missing
+    library fails when the backend is chosen, not in the middle of a forward or a capture."""
     def factory() -> Callable[..., Any]:
-        fn = getattr(importlib.import_module(module), attr)
+        loaded = importlib.import_module(module)
+        require = getattr(loaded, "require", None)
+        if require is not None:
+            require()
+        fn = getattr(loaded, attr)
         return functools.partial(fn, **options) if options else fn
 
     return factory

@@ -17,9 +17,10 @@ def held_out(tmp_path):
 
 def test_each_concurrency_runs_plain_then_speculative_on_the_same_cluster(held_out):
     config = ServingConfig(model="tiny", draft="tiny", data=held_out, concurrency=(1, 2),
-                           prompts_per_slot=1, prompt_tokens=16, output_len=8)
+                           prompts_per_slot=1, min_requests=2, prompt_tokens=16, output_len=8)
     rows = run(config, progress=lambda line: None)
     assert [r["concurrency"] for r in rows] == [1, 2]
+    assert [r["requests"] for r in rows] == [2, 2]  # at least min_requests at 1 in flight
     for r in rows:
         plain, dflash = r["plain"], r["dflash"]
         # exactly the requested tokens per measured request, both ways

@@ -30,7 +30,7 @@ import torch
 
 from common.ops.attention import reference
 
-__all__ = ["paged_attention", "supports", "decode_uses_tensor_cores", "PREFILL_BACKEND"]
+__all__ = ["paged_attention", "supports", "decode_uses_tensor_cores", "require", "PREFILL_BACKEND"]
 
 # FlashInfer prefill backend; fa3 is the Hopper kernel, "auto" lets FlashInfer choose.
 PREFILL_BACKEND = os.environ.get("FLASHSPLIT_FLASHINFER_PREFILL_BACKEND", "fa3")
@@ -45,6 +45,13 @@ def _workspace(device: torch.device) -> torch.Tensor:
     if device not in _workspaces:
         _workspaces[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     return _workspaces[device]
+
+
+def require() -> None:
+    """ImportError unless FlashInfer imports. The registry calls it when this backend is chosen:
+    this module imports FlashInfer inside its functions (its helpers serve machines without
+    it), so without the check a missing FlashInfer surfaced only at the first attention call."""
+    import flashinfer  # noqa: F401
 
 
 def decode_uses_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len: int = 1) -> bool:

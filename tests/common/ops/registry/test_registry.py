@@ -1,7 +1,7 @@
 import pytest
 
 from common.ops.gdn.reference import chunk_gated_delta_rule
-from common.ops.registry import REFERENCE_OPS, OpRegistry, default_registry
+from common.ops.registry import REFERENCE_OPS, OpRegistry, _import_factory, default_registry
 
 
 def test_default_registry_resolves_every_reference_op():
@@ -62,3 +62,31 @@ def test_pdl_backends_are_the_triton_ops_with_pdl_on():
 
     fn = default_registry().get("linear", "triton-pdl")
     assert isinstance(fn, functools.partial) and fn.keywords == {"pdl": True}
+
+
+def test_a_backend_whose_library_cannot_load_fails_when_chosen(monkeypatch):
+    """A backend module that imports its library lazily says so through ``require()``: the
+    registry calls it on resolving, so the library's absence is an error at selection (which
+    ``select_kernels`` turns into advice), not at the first forward."""
+    import sys
+    import types
+
+    from common.model.kernels import select_kernels
+
+    def require():
+        raise ImportError("No module named 'fastlib'")
+
+    lazy = types.ModuleType("lazy_backend")
+    lazy.require, lazy.paged_attention = require, lambda **kw: None
+    monkeypatch.setitem(sys.modules, "lazy_backend", lazy)
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # as on a machine without it
+    registry = default_registry()
+    registry.register("paged_attention", "lazy", _import_factory("lazy_backend", "paged_attention"))
+    with pytest.raises(ImportError, match="fastlib"):
+        registry.get("paged_attention", "lazy")
+    with pytest.raises(ImportError):
+        registry.get("paged_attention", "flashinfer")
+    with pytest.raises(ValueError, match="needs its GPU libraries.*flashinfer"):
+        select_kernels("gpu")
+    lazy.require = lambda: None
+    assert registry.get("paged_attention", "lazy") is lazy.paged_attention
