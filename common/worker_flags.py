@@ -144,5 +144,6 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     from common.ops.gpu_backends import AUTO, BACKEND_SETS
 
     p.add_argument("--kernels", default=AUTO, choices=(AUTO, *BACKEND_SETS),
-                   help="kernel set (docs/kernels.md); auto: 'gpu' on a CUDA device, else "
-                        "'cpu' ('reference' is the plain-torch definition)")
+                   help="kernel set (docs/kernels.md); auto: 'gpu' on a CUDA device "
+                        "('gpu-triton-attention' where FlashInfer does not load), else 'cpu' "
+                        "('reference' is the plain-torch definition)")

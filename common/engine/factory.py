@@ -169,12 +169,21 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
 
 def select_kernel_set(name: str | None, device: str):
     """The model's kernels for set ``name`` on ``device`` (logged once); None for the model's
-    default."""
+    default. ``auto`` takes the first of its sets whose libraries load, saying why it passed
+    over any; a named set that cannot load is a ValueError."""
     if name is None:
         return None
-    from common.model.kernels import select_kernels
-    from common.ops.gpu_backends import describe, set_for_device
+    from common.model import kernels as model_kernels
+    from common.ops.gpu_backends import describe, sets_for_device
 
-    name = set_for_device(name, device)
-    log.info("kernels %s", describe(name))
-    return select_kernels(name)
+    choices = sets_for_device(name, device)
+    for i, chosen in enumerate(choices):
+        try:
+            kernels = model_kernels.select_kernels(chosen)
+        except ValueError as exc:
+            if i + 1 == len(choices):
+                raise
+            log.warning("kernels %s unavailable, taking %s: %s", chosen, choices[i + 1], exc)
+            continue
+        log.info("kernels %s", describe(chosen))
+        return kernels

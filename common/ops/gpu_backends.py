@@ -48,7 +48,8 @@ from __future__ import annotations
 from common.ops.registry import (CPU_BACKEND, CPU_OPS, GPU_OPS, PDL_BACKEND, REFERENCE_BACKEND,
                                  REFERENCE_OPS)
 
-__all__ = ["AUTO", "BACKEND_SETS", "backends_for", "chosen_backends", "describe", "set_for_device"]
+__all__ = ["AUTO", "AUTO_ON_CUDA", "BACKEND_SETS", "backends_for", "chosen_backends", "describe",
+           "set_for_device", "sets_for_device"]
 
 _GPU = {
     "chunk_gated_delta_rule": "flashinfer",
@@ -124,9 +125,21 @@ def describe(name: str, ops: list[str] | None = None) -> str:
     return f"{name}: " + ", ".join(special + ([f"{rest} ops reference"] if rest else []))
 
 
-def set_for_device(name: str, device: str) -> str:
-    """The set ``name`` stands for on ``device``: :data:`AUTO` is ``gpu`` on a CUDA device and
-    ``cpu`` elsewhere; any other name is itself."""
+# what AUTO tries on a CUDA device, in order: the first whose libraries load (the Triton
+# attention needs no FlashInfer, whose wheels exist for fewer CUDA and torch versions)
+AUTO_ON_CUDA = ("gpu", "gpu-triton-attention")
+
+
+def sets_for_device(name: str, device: str) -> tuple[str, ...]:
+    """The sets ``name`` may stand for on ``device``, best first: :data:`AUTO` is
+    :data:`AUTO_ON_CUDA` on a CUDA device and ``cpu`` elsewhere; any other name is itself
+    alone (a named set is never swapped for another)."""
     if name == AUTO:
-        return "gpu" if str(device).startswith("cuda") else "cpu"
-    return name
+        return AUTO_ON_CUDA if str(device).startswith("cuda") else ("cpu",)
+    return (name,)
+
+
+def set_for_device(name: str, device: str) -> str:
+    """The set ``name`` stands for on ``device`` when its libraries load: the first of
+    :func:`sets_for_device`."""
+    return sets_for_device(name, device)[0]

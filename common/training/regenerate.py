@@ -52,15 +52,14 @@ def regenerate(config: RegenerateConfig) -> dict:
     from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
     from common.engine.scheduler import SchedulerConfig
     from common.model.load import eos_token_ids_for, load_model
-    from common.model.kernels import select_kernels
     from common.sampling import SamplingParams
     from common.tokenizer import load_tokenizer
     from common.training.token_data import WindowSampler, read_documents, token_stream
 
-    from common.ops.gpu_backends import set_for_device
+    from common.engine.factory import select_kernel_set
 
-    kernels = set_for_device(config.kernels, str(config.device))
-    target = load_model(config.model, device=config.device, kernels=select_kernels(kernels))
+    target = load_model(config.model, device=config.device,
+                        kernels=select_kernel_set(config.kernels, str(config.device)))
     tokenizer = load_tokenizer(config.model, allow_missing=True)
     eos = eos_token_ids_for(config.model, target.config)
     stream = token_stream(read_documents(config.data),

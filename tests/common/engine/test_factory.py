@@ -125,6 +125,26 @@ def test_auto_kernels_are_the_cpu_set_on_the_cpu():
     assert set(dict(reference.backends).values()) == {"reference"}
 
 
+def test_auto_kernels_on_cuda_pass_over_a_set_whose_libraries_do_not_load(monkeypatch, caplog):
+    """``auto`` on a CUDA device without FlashInfer takes the Triton attention set, and says
+    so; a set named on the command line is never swapped for another."""
+    from common.model import kernels as model_kernels
+
+    def select(name):
+        if name == "gpu":
+            raise ValueError("kernel set 'gpu' needs its GPU libraries (No module named 'flashinfer')")
+        return f"kernels of {name}"
+
+    monkeypatch.setattr(model_kernels, "select_kernels", select)
+    with caplog.at_level("WARNING"):
+        assert select_kernel_set("auto", "cuda:0") == "kernels of gpu-triton-attention"
+    assert "gpu unavailable, taking gpu-triton-attention" in caplog.text
+    assert "flashinfer" in caplog.text
+    with pytest.raises(ValueError, match="flashinfer"):
+        select_kernel_set("gpu", "cuda:0")
+    assert select_kernel_set("gpu-fla", "cuda:0") == "kernels of gpu-fla"
+
+
 def test_generate_in_process_speculates_through_the_factory(capsys):
     from router.cli import main
 
