@@ -57,6 +57,7 @@ def cuda_graph_from_args(args: argparse.Namespace) -> CudaGraphConfig:
     return CudaGraphConfig(enabled=not args.disable_cuda_graph,
                            max_batch_size=args.cuda_graph_max_bs,
                            draft_ahead=ahead in ("draft", "step"), verify_ahead=ahead == "step",
+                           step_ahead_if_planned=ahead == "auto",
                            tensor_parallel=getattr(args, "tp_cuda_graphs", False))
 
 

@@ -50,7 +50,7 @@ TP_CUDA_GRAPHS_HELP = ("with --tp above 1 on GPUs: replay decode (and DFLASH ver
 
 
 # --speculative-ahead's choices: what of the next DFLASH step is launched before the read
-SPECULATIVE_AHEAD = ("off", "draft", "step")
+SPECULATIVE_AHEAD = ("auto", "off", "draft", "step")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -105,11 +105,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="decode workers: a request that leaves speculation to the server "
                         "decodes without the draft when it arrives while N requests are "
                         "already decoding or waiting (default: always speculate)")
-    p.add_argument("--speculative-ahead", choices=SPECULATIVE_AHEAD, default="off",
+    p.add_argument("--speculative-ahead", choices=SPECULATIVE_AHEAD, default="auto",
                    help="decode workers, greedy DFLASH steps in CUDA graphs: launch the next "
                         "step's draft ('draft'), or its draft and verify ('step': needs "
-                        "--kernels gpu-triton-attention), before the host reads the step; off by "
-                        "default until timed (docs/cuda_graphs.md) (default: %(default)s)")
+                        "attention that plans on the device, --kernels gpu-triton-attention), "
+                        "before the host reads the step; 'auto' is 'step' where the attention "
+                        "plans on the device and 'off' elsewhere (docs/cuda_graphs.md) "
+                        "(default: %(default)s)")
     add_kernel_args(p)
     add_tp_arg(p)
     add_cuda_graph_args(p)
@@ -145,5 +147,6 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--kernels", default=AUTO, choices=(AUTO, *BACKEND_SETS),
                    help="kernel set (docs/kernels.md); auto: 'gpu' on a CUDA device "
-                        "('gpu-triton-attention' where FlashInfer does not load), else 'cpu' "
-                        "('reference' is the plain-torch definition)")
+                        "('gpu-triton-attention' for a decode worker with a draft, or where "
+                        "FlashInfer does not load), else 'cpu' ('reference' is the plain-torch "
+                        "definition)")

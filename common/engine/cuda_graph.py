@@ -68,8 +68,13 @@ class CudaGraphConfig:
             that draft, so the whole next step runs while the host reads this one; needs
             attention plans that take lengths on the device (the ``triton`` backend's), one
             rank, no log-probabilities asked for, and pages for two blocks past the cache
-            (reserved at admission when on). Implies ``draft_ahead``. Off by default: its
-            first GPU timing found the read waiting for the whole stream; fixed, not yet timed.
+            (reserved at admission when on). Implies ``draft_ahead``. Off by default here;
+            timed on an H100 (2026-12-06) it took a batch-1 DFLASH step from 1.77 to 1.50 ms
+            (docs/cuda_graphs.md), and the workers take it through ``step_ahead_if_planned``.
+        step_ahead_if_planned: ``verify_ahead`` (and so ``draft_ahead``) where the verify's
+            attention plans take lengths on the device, nothing launched ahead elsewhere (a
+            draft ahead alone is not timed as paying). The workers' ``--speculative-ahead
+            auto``, their default.
         tensor_parallel: capture graphs of a tensor-parallel model too, NCCL collectives
             inside them (``--tp-cuda-graphs``). Off by default: it has not run on several GPUs
             yet (docs/tensor_parallel.md); the uncaptured variant (``capture=False``) needs no
@@ -82,6 +87,7 @@ class CudaGraphConfig:
     commit_graphs: bool = True
     draft_ahead: bool = False
     verify_ahead: bool = False
+    step_ahead_if_planned: bool = False
     tensor_parallel: bool = False
 
     def batch_sizes(self, max_running: int) -> tuple[int, ...]:

@@ -127,8 +127,13 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
         log.info("tensor parallel over %d ranks%s", world_size,
                  ", routed experts placed whole (expert parallel)" if settings.expert_parallel
                  else "")
+    # a draft's decode engine on one GPU; the prefill side (which holds requests after
+    # prefill) and tensor-parallel ranks, which launch no step ahead, keep the plain choice
+    speculative_decode = bool(settings.draft) and not config.hold_after_prefill \
+        and world_size == 1
     model = load_model(settings.model, dtype=settings.dtype, device=config.device,
-                       kernels=select_kernel_set(settings.kernels, config.device),
+                       kernels=select_kernel_set(settings.kernels, config.device,
+                                                 speculative_decode=speculative_decode),
                        progress=settings.progress, tp=tp,
                        expert_parallel=settings.expert_parallel)
     draft = load_draft(settings.draft, model) if settings.draft else None
@@ -167,16 +172,18 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
     return BuiltEngine(engine, layout, fingerprint, engine.eos_token_ids, sizing)
 
 
-def select_kernel_set(name: str | None, device: str):
+def select_kernel_set(name: str | None, device: str, *, speculative_decode: bool = False):
     """The model's kernels for set ``name`` on ``device`` (logged once); None for the model's
     default. ``auto`` takes the first of its sets whose libraries load, saying why it passed
-    over any; a named set that cannot load is a ValueError."""
+    over any (``speculative_decode``: an engine that decodes with a draft on one GPU,
+    ``common.ops.gpu_backends.sets_for_device``); a named set that cannot load is a
+    ValueError."""
     if name is None:
         return None
     from common.model import kernels as model_kernels
     from common.ops.gpu_backends import describe, sets_for_device
 
-    choices = sets_for_device(name, device)
+    choices = sets_for_device(name, device, speculative_decode=speculative_decode)
     for i, chosen in enumerate(choices):
         try:
             kernels = model_kernels.select_kernels(chosen)

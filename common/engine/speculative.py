@@ -129,6 +129,8 @@ class DFlashSpeculator:
             self.draft_graphs = DraftGraphRunner(
                 draft, target, self.draft_pool, batch_sizes=sizes, block_size=self.block_size,
                 mask_token_id=self.mask_token_id, capture=graphs.capture, vocab=vocab)
+            if graphs.step_ahead_if_planned and self.verify_graphs.plans_on_device:
+                self.verify_ahead = self.draft_ahead = True
             if self.verify_ahead and not self.verify_graphs.plans_on_device:
                 log.warning("verify_ahead is on, but the verify's attention plans schedule "
                             "from lengths on the host (paged_attention=%s): only the draft is "

@@ -48,7 +48,7 @@ from __future__ import annotations
 from common.ops.registry import (CPU_BACKEND, CPU_OPS, GPU_OPS, PDL_BACKEND, REFERENCE_BACKEND,
                                  REFERENCE_OPS)
 
-__all__ = ["AUTO", "AUTO_ON_CUDA", "BACKEND_SETS", "backends_for", "chosen_backends", "describe",
+__all__ = ["AUTO", "AUTO_ON_CUDA", "AUTO_ON_CUDA_SPECULATIVE", "BACKEND_SETS", "backends_for", "chosen_backends", "describe",
            "set_for_device", "sets_for_device"]
 
 _GPU = {
@@ -128,14 +128,24 @@ def describe(name: str, ops: list[str] | None = None) -> str:
 # what AUTO tries on a CUDA device, in order: the first whose libraries load (the Triton
 # attention needs no FlashInfer, whose wheels exist for fewer CUDA and torch versions)
 AUTO_ON_CUDA = ("gpu", "gpu-triton-attention")
+# ...for a decode engine that speculates on one GPU: the Triton attention plans from lengths
+# on the device, so the next DFLASH step is launched before the host reads this one
+# (docs/cuda_graphs.md, step 6), which FlashInfer's plans do not allow. On an H100
+# (2026-12-06) its plain and DFLASH steps were the faster at batch 1 and 8 besides
+# (docs/kernels.md)
+AUTO_ON_CUDA_SPECULATIVE = ("gpu-triton-attention",)
 
 
-def sets_for_device(name: str, device: str) -> tuple[str, ...]:
+def sets_for_device(name: str, device: str, *, speculative_decode: bool = False
+                    ) -> tuple[str, ...]:
     """The sets ``name`` may stand for on ``device``, best first: :data:`AUTO` is
-    :data:`AUTO_ON_CUDA` on a CUDA device and ``cpu`` elsewhere; any other name is itself
-    alone (a named set is never swapped for another)."""
+    :data:`AUTO_ON_CUDA` on a CUDA device (:data:`AUTO_ON_CUDA_SPECULATIVE` for a
+    ``speculative_decode`` engine) and ``cpu`` elsewhere; any other name is itself alone (a
+    named set is never swapped for another)."""
     if name == AUTO:
-        return AUTO_ON_CUDA if str(device).startswith("cuda") else ("cpu",)
+        if not str(device).startswith("cuda"):
+            return ("cpu",)
+        return AUTO_ON_CUDA_SPECULATIVE if speculative_decode else AUTO_ON_CUDA
     return (name,)
 
 

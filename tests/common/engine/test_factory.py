@@ -73,12 +73,14 @@ def test_the_speculation_batch_limit_is_a_worker_flag():
     assert engine_config_from_args(args, prefill=False).speculative_disable_by_batch_size == 8
 
 
-@pytest.mark.parametrize("flag,draft,verify", [(None, False, False), ("off", False, False),
-                                               ("draft", True, False), ("step", True, True)])
-def test_what_a_dflash_step_launches_ahead_is_a_worker_flag(flag, draft, verify):
+@pytest.mark.parametrize("flag,draft,verify,if_planned", [
+    (None, False, False, True), ("auto", False, False, True), ("off", False, False, False),
+    ("draft", True, False, False), ("step", True, True, False)])
+def test_what_a_dflash_step_launches_ahead_is_a_worker_flag(flag, draft, verify, if_planned):
     args = worker_args(*([] if flag is None else ["--speculative-ahead", flag]))
     graphs = engine_config_from_args(args, prefill=False).cuda_graph
     assert (graphs.draft_ahead, graphs.verify_ahead) == (draft, verify)
+    assert graphs.step_ahead_if_planned == if_planned
 
 
 def test_a_block_size_reaches_the_speculator():
@@ -143,6 +145,31 @@ def test_auto_kernels_on_cuda_pass_over_a_set_whose_libraries_do_not_load(monkey
     with pytest.raises(ValueError, match="flashinfer"):
         select_kernel_set("gpu", "cuda:0")
     assert select_kernel_set("gpu-fla", "cuda:0") == "kernels of gpu-fla"
+
+
+def test_auto_kernels_of_a_speculating_decode_engine_plan_attention_on_the_device(monkeypatch):
+    """A decode engine with a draft on one GPU takes the Triton attention for ``auto`` (its
+    plans let the next step go ahead); the prefill side and draft-less engines keep the plain
+    choice, and a named set stays what it is."""
+    import common.engine.factory as factory
+    from common.model import kernels as model_kernels
+
+    with monkeypatch.context() as patched:
+        patched.setattr(model_kernels, "select_kernels", lambda name: f"kernels of {name}")
+        assert select_kernel_set("auto", "cuda:0", speculative_decode=True) \
+            == "kernels of gpu-triton-attention"
+        assert select_kernel_set("auto", "cuda:0") == "kernels of gpu"
+        assert select_kernel_set("gpu", "cuda:0", speculative_decode=True) == "kernels of gpu"
+
+    asked = []
+    select = factory.select_kernel_set
+    monkeypatch.setattr(factory, "select_kernel_set", lambda name, device, **kw: (
+        asked.append(kw.get("speculative_decode")), select(name, "cpu"))[1])
+    build_engine(EngineSettings(model="tiny", draft="tiny", kernels="auto"))
+    build_engine(EngineSettings(model="tiny", kernels="auto"))
+    build_engine(EngineSettings(model="tiny", draft="tiny", kernels="auto",
+                                engine=EngineConfig(hold_after_prefill=True)))
+    assert asked == [True, False, False]
 
 
 def test_generate_in_process_speculates_through_the_factory(capsys):

@@ -57,3 +57,24 @@ def test_two_blocks_of_pages_are_reserved_past_the_cache(pair):
     plain, ahead = eager_engine(pair), eager_engine(pair, verify_ahead=True)
     assert plain.scheduler.config.lookahead_tokens == BLOCK
     assert ahead.scheduler.config.lookahead_tokens == 2 * BLOCK
+
+
+def test_the_step_goes_ahead_where_the_attention_plans_on_the_device(pair, monkeypatch):
+    """``step_ahead_if_planned`` (the workers' ``--speculative-ahead auto``): the whole next
+    step where the verify's attention plans take lengths on the device, nothing ahead where
+    they do not (a draft ahead alone is not timed as paying)."""
+    from common.engine.cuda_graph import GraphRunner
+
+    auto = eager_engine(pair, step_ahead_if_planned=True)
+    assert auto.speculator.verify_graphs.plans_on_device
+    assert auto.speculator.verify_ahead and auto.speculator.draft_ahead
+    assert auto.scheduler.config.lookahead_tokens == 2 * BLOCK
+    want, _ = _run(eager_engine(pair))
+    got, calls = _run(auto)
+    _same(got, want)
+    assert calls["run_next"] > 5
+
+    monkeypatch.setattr(GraphRunner, "plans_on_device", property(lambda self: False))
+    host_planned = eager_engine(pair, step_ahead_if_planned=True)
+    assert not (host_planned.speculator.verify_ahead or host_planned.speculator.draft_ahead)
+    assert host_planned.scheduler.config.lookahead_tokens == BLOCK
