@@ -35,9 +35,10 @@ class EngineSettings:
         draft: a DFLASH draft, ``'tiny'`` or a checkpoint directory; None for none.
         block_size: tokens per DFLASH step (None: the draft's own).
         dtype: the weights' dtype (None: the config's).
-        kernels: a kernel set (``docs/kernels.md``), or ``'auto'`` (``'gpu'`` on a CUDA
-            device, else ``'cpu'``); None leaves the model its default kernels (the
-            reference).
+        kernels: a kernel set (``docs/kernels.md``), or ``'auto'`` (on a CUDA device
+            ``'gpu'``, or ``'gpu-triton-attention'`` for a decode engine with a draft or
+            without FlashInfer; else ``'cpu'``); None leaves the model its default kernels
+            (the reference).
         engine: the engine's cache, scheduler, graph and device settings; its pool sizes are
             used as given unless ``pools`` sizes them.
         pools: what the pool flags ask for (``--mem-fraction``, ``--num-pages``,
