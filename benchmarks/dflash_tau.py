@@ -93,6 +93,11 @@ class SpeedRow:
     tau: float
     plain_decode_tokens_per_s: float = 0.0
     dflash_decode_tokens_per_s: float = 0.0
+    # DFLASH steps after every request had its first token: per batch (the engine's) against
+    # per request (its own). A batch runs whole to its end, so where the first is well above
+    # the second its slowest rows set its time, which a server refilling slots does not pay
+    dflash_batch_steps: float = 0.0
+    dflash_row_steps: float = 0.0
 
     @property
     def speedup(self) -> float:
@@ -113,6 +118,7 @@ class Timed:
     seconds: float
     decode_tokens: int
     decode_seconds: float
+    decode_steps: int = 0  # engine steps after every request had its first token
 
 
 def timed_generate(engine: LLMEngine, prompts, params: SamplingParams,
@@ -123,12 +129,14 @@ def timed_generate(engine: LLMEngine, prompts, params: SamplingParams,
         torch.cuda.synchronize()
     start = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in prompts]
-    decode_from, tokens_before = None, 0
+    decode_from, tokens_before, decode_steps = None, 0, 0
     while engine.scheduler.num_requests:
         if not engine.has_work():
             raise RuntimeError("requests are waiting for room that nothing will free")
         engine.step()
-        if decode_from is None and all(r.output_ids for r in reqs):
+        if decode_from is not None:
+            decode_steps += 1
+        elif all(r.output_ids for r in reqs):
             decode_from = time.perf_counter()
             tokens_before = sum(len(r.output_ids) for r in reqs)
     if on_gpu:
@@ -136,7 +144,7 @@ def timed_generate(engine: LLMEngine, prompts, params: SamplingParams,
     end = time.perf_counter()
     total = sum(len(r.output_ids) for r in reqs)
     decode_from = end if decode_from is None else decode_from
-    return Timed(reqs, end - start, total - tokens_before, end - decode_from)
+    return Timed(reqs, end - start, total - tokens_before, end - decode_from, decode_steps)
 
 
 @dataclass
@@ -242,7 +250,7 @@ def _speed(config: TauConfig, engines: _Engines, prompts, batch: int) -> SpeedRo
                             ignore_eos=True)
     on_gpu = torch.device(config.device).type == "cuda"
     block = max(config.blocks)
-    rates, decode_rates, tau = {}, {}, 0.0
+    rates, decode_rates, tau, steps = {}, {}, 0.0, (0.0, 0.0)
     for which in (None, block):
         engine = engines.get(which)
         engine.generate(batches[0], replace(params, max_new_tokens=2))  # warm: first-call costs
@@ -255,8 +263,10 @@ def _speed(config: TauConfig, engines: _Engines, prompts, batch: int) -> SpeedRo
         if which is not None:
             lengths = [n for run in runs for r in run.requests for n in r.accept_lengths]
             tau = sum(lengths) / max(1, len(lengths))
+            requests = sum(len(run.requests) for run in runs)
+            steps = (sum(run.decode_steps for run in runs) / len(runs), len(lengths) / requests)
     return SpeedRow(batch, block, rates[None], rates[block], tau,
-                    decode_rates[None], decode_rates[block])
+                    decode_rates[None], decode_rates[block], *steps)
 
 
 def format_table(report: TauReport) -> str:
@@ -268,11 +278,12 @@ def format_table(report: TauReport) -> str:
                      f"{r.tokens:>7}  {same:>9}")
     if report.speed:
         lines += ["", f"{'batch':>5}  {'block':>5}  {'plain tok/s':>11}  {'dflash tok/s':>12}  "
-                      f"{'speedup':>7}  {'decode x':>8}  {'tau':>5}"]
+                      f"{'speedup':>7}  {'decode x':>8}  {'tau':>5}  {'steps batch/row':>15}"]
         for s in report.speed:
+            steps = f"{s.dflash_batch_steps:.0f}/{s.dflash_row_steps:.0f}"
             lines.append(f"{s.batch:>5}  {s.block_size:>5}  {s.plain_tokens_per_s:>11.1f}  "
                          f"{s.dflash_tokens_per_s:>12.1f}  {s.speedup:>6.2f}x  "
-                         f"{s.decode_speedup:>7.2f}x  {s.tau:>5.2f}")
+                         f"{s.decode_speedup:>7.2f}x  {s.tau:>5.2f}  {steps:>15}")
     return "\n".join(lines)
 
 

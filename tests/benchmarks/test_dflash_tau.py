@@ -29,8 +29,11 @@ def test_tau_rows_and_speed(tmp_path):
     assert speed.plain_decode_tokens_per_s > 0 and speed.dflash_decode_tokens_per_s > 0
     assert speed.decode_speedup == (speed.dflash_decode_tokens_per_s
                                     / speed.plain_decode_tokens_per_s)
+    # a batch takes at least as many steps as its requests do on average
+    assert speed.dflash_batch_steps >= speed.dflash_row_steps > 0
     table = format_table(report)
     assert "tau" in table.splitlines()[0] and "speedup" in table and "decode x" in table
+    assert "steps batch/row" in table
     assert as_json(report)["tau"][0]["block_size"] == 4
 
 
@@ -54,5 +57,6 @@ def test_decode_alone_counts_the_tokens_after_every_first_token():
     assert [len(r.output_ids) for r in run.requests] == [5, 5]
     # both prompts are prefilled in the first step, each giving its first token there
     assert run.decode_tokens == 2 * 5 - 2
+    assert run.decode_steps == 5 - 1  # one token a step for each, after the first
     assert 0 < run.decode_seconds < run.seconds
     assert engine.scheduler.num_requests == 0
