@@ -48,8 +48,8 @@ from __future__ import annotations
 from common.ops.registry import (CPU_BACKEND, CPU_OPS, GPU_OPS, PDL_BACKEND, REFERENCE_BACKEND,
                                  REFERENCE_OPS)
 
-__all__ = ["AUTO", "AUTO_ON_CUDA", "AUTO_ON_CUDA_SPECULATIVE", "BACKEND_SETS", "backends_for", "chosen_backends", "describe",
-           "set_for_device", "sets_for_device"]
+__all__ = ["AUTO", "AUTO_ON_CUDA", "AUTO_ON_CUDA_SPECULATIVE", "BACKEND_SETS", "backends_for",
+           "chosen_backends", "describe", "set_for_device", "sets_for_device"]
 
 _GPU = {
     "chunk_gated_delta_rule": "flashinfer",
