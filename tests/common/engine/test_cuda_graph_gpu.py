@@ -235,6 +235,35 @@ def test_the_next_step_is_launched_while_the_step_before_still_runs(trained):
             engine.step()
 
 
+def test_a_decode_engine_with_a_draft_goes_ahead_by_default():
+    """What a decode worker with a draft builds from its defaults (``--kernels auto``,
+    ``--speculative-ahead auto``): the Triton attention, whose plans let the whole next step
+    go ahead; its tokens and accept lengths those of the same engine stepping after the
+    read, pools whole after."""
+    from common.engine.factory import EngineSettings, build_engine
+
+    prompts = code_prompts()
+    params = [SamplingParams(temperature=0.0, max_new_tokens=50 + 9 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    engines = {}
+    for ahead in (False, True):
+        config = EngineConfig(device="cuda", cuda_graph=CudaGraphConfig(
+            max_batch_size=16, step_ahead_if_planned=ahead))
+        engines[ahead] = build_engine(EngineSettings(
+            model="pycoder", draft="pycoder", kernels="auto", engine=config)).engine
+    engine = engines[True]
+    assert dict(engine.model.kernels.backends)["paged_attention"] == "triton"
+    assert engine.speculator.verify_ahead and not engines[False].speculator.verify_ahead
+    want = engines[False].generate(prompts, params)
+    runs = count_calls(engine.speculator.verify_graphs, "run", "run_next")
+    free = (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free)
+    got = engine.generate(prompts, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert [r.accept_lengths for r in got] == [r.accept_lengths for r in want]
+    assert runs["run_next"] > runs["run"]
+    assert (engine.kv_pool.allocator.num_free, engine.state_pool.allocator.num_free) == free
+
+
 @pytest.mark.parametrize("speculative", [False, True], ids=["decode", "dflash"])
 def test_triton_attention_replays_give_its_eager_tokens(models, speculative):
     """The ``gpu-triton-attention`` set: decode and verify graphs whose attention plans are
