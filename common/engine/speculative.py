@@ -108,8 +108,8 @@ class DFlashSpeculator:
             state_pool.reserve_verify(max_requests, self.block_size)
         self.stats = {"spec_steps": 0, "spec_committed_tokens": 0, "spec_drafted_tokens": 0}
         self.verify_graphs = self.draft_graphs = self.commit_graphs = None
-        self.verify_ahead = graphs is not None and graphs.verify_ahead
-        self.draft_ahead = graphs is not None and (graphs.draft_ahead or self.verify_ahead)
+        # what of the next step goes ahead of the read: set with the graphs it runs from
+        self.verify_ahead = self.draft_ahead = False
         self._ahead: _DraftAhead | None = None
         self._reader = GreedyReader(kv_pool.kv.device, max(1, max_requests))
         tokens = self.VERIFY_GRAPH_TOKENS if max_graph_tokens is None \
@@ -129,9 +129,10 @@ class DFlashSpeculator:
             self.draft_graphs = DraftGraphRunner(
                 draft, target, self.draft_pool, batch_sizes=sizes, block_size=self.block_size,
                 mask_token_id=self.mask_token_id, capture=graphs.capture, vocab=vocab)
-            if graphs.step_ahead_if_planned and self.verify_graphs.plans_on_device:
-                self.verify_ahead = self.draft_ahead = True
-            if self.verify_ahead and not self.verify_graphs.plans_on_device:
+            planned = self.verify_graphs.plans_on_device
+            self.verify_ahead = graphs.verify_ahead or (graphs.step_ahead_if_planned and planned)
+            self.draft_ahead = graphs.draft_ahead or self.verify_ahead
+            if graphs.verify_ahead and not planned:
                 log.warning("verify_ahead is on, but the verify's attention plans schedule "
                             "from lengths on the host (paged_attention=%s): only the draft is "
                             "launched ahead (--kernels gpu-triton-attention plans on the "
