@@ -39,12 +39,13 @@ from benchmarks.decode import add_dflash_step_flags, build, engine_for, fill_bat
 from benchmarks.shapes import DRAFTS, SHAPES
 from common.engine import speculative
 from common.engine.cuda_graph import CudaGraphConfig
+from common.engine.factory import choose_kernel_set
 from common.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 from common.engine.scheduler import SchedulerConfig
 from common.model.dflash import load_draft
 from common.model.kernels import select_kernels
 from common.model.load import load_model
-from common.ops.gpu_backends import AUTO, set_for_device
+from common.ops.gpu_backends import AUTO
 
 PHASES = ("propose", "verify", "accept", "commit", "context")
 
@@ -203,11 +204,12 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kernels", default=AUTO,
                    help="a kernel set (e.g. gpu-no-pdl, reference; default: the workers' "
-                        "choice for --device, gpu on CUDA and cpu elsewhere)")
+                        "choice for --device and for an engine with or without a draft)")
     p.add_argument("--out", default="out/profile.json")
     add_dflash_step_flags(p)
     args = p.parse_args(argv)
-    kernels = set_for_device(args.kernels, args.device)
+    with_draft = bool(args.draft) or args.model in DRAFTS
+    kernels = choose_kernel_set(args.kernels, args.device, speculative_decode=with_draft)[0]
     if args.model == "tiny":
         plain, spec = tiny_engine(False), tiny_engine(True)
         prompt_len, vocab = 24, 250

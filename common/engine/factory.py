@@ -175,12 +175,18 @@ def build_engine(settings: EngineSettings, *, tp=None) -> BuiltEngine:
 
 def select_kernel_set(name: str | None, device: str, *, speculative_decode: bool = False):
     """The model's kernels for set ``name`` on ``device`` (logged once); None for the model's
-    default. ``auto`` takes the first of its sets whose libraries load, saying why it passed
-    over any (``speculative_decode``: an engine that decodes with a draft on one GPU,
-    ``common.ops.gpu_backends.sets_for_device``); a named set that cannot load is a
-    ValueError."""
+    default. ``auto`` takes the first of its sets whose libraries load (:func:`choose_kernel_set`);
+    a named set that cannot load is a ValueError."""
     if name is None:
         return None
+    return choose_kernel_set(name, device, speculative_decode=speculative_decode)[1]
+
+
+def choose_kernel_set(name: str, device: str, *, speculative_decode: bool = False):
+    """``(set name, kernels)`` for set ``name`` on ``device``: for ``auto`` the first of its sets
+    whose libraries load, saying why it passed over any (``speculative_decode``: an engine that
+    decodes with a draft on one GPU, ``common.ops.gpu_backends.sets_for_device``); a named set
+    that cannot load is a ValueError."""
     from common.model import kernels as model_kernels
     from common.ops.gpu_backends import describe, sets_for_device
 
@@ -194,4 +200,4 @@ def select_kernel_set(name: str | None, device: str, *, speculative_decode: bool
             log.warning("kernels %s unavailable, taking %s: %s", chosen, choices[i + 1], exc)
             continue
         log.info("kernels %s", describe(chosen))
-        return kernels
+        return chosen, kernels

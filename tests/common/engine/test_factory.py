@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from common.engine.factory import EngineSettings, build_engine, select_kernel_set
+from common.engine.factory import EngineSettings, build_engine, choose_kernel_set, select_kernel_set
 from common.engine.llm_engine import EngineConfig, LLMEngine
 from common.handoff.layout import LayoutDescriptor, model_fingerprint
 from common.model.dflash import load_draft
@@ -145,6 +145,8 @@ def test_auto_kernels_on_cuda_pass_over_a_set_whose_libraries_do_not_load(monkey
     with pytest.raises(ValueError, match="flashinfer"):
         select_kernel_set("gpu", "cuda:0")
     assert select_kernel_set("gpu-fla", "cuda:0") == "kernels of gpu-fla"
+    assert choose_kernel_set("auto", "cuda:0") == (
+        "gpu-triton-attention", "kernels of gpu-triton-attention")
 
 
 def test_auto_kernels_of_a_speculating_decode_engine_plan_attention_on_the_device(monkeypatch):
