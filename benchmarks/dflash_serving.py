@@ -15,8 +15,10 @@ so that a batch size's first use (which may compile a kernel variant) is in neit
         [--out out/x.json]
 
 Prints the table last (throughput and its ratio, the decode steps' ratio from the TPOT medians
-(``decode x``: without each request's wait for its first token), τ, and the TPOT and TTFT
-medians each way); ``--out`` gets every figure. ``--mps`` runs both workers under a CUDA MPS
+(``decode x``: without each request's wait for its first token), τ, the TPOT medians, the
+decode worker's mean engine step (``flashsplit_decode_step_time_seconds``: against the TPOT,
+the engine's part of a token's time), and the TTFT medians each way); ``--out`` gets every
+figure. ``--mps`` runs both workers under a CUDA MPS
 daemon of the run's own: on one GPU the two processes' kernels otherwise take turns on it.
 """
 
@@ -37,6 +39,7 @@ from router.bench.runner import run_bench
 from router.cluster import Cluster, ClusterConfig
 
 ACCEPT_LENGTH = "flashsplit_decode_spec_accept_length"
+STEP_TIME = "flashsplit_decode_step_time_seconds"
 # output tokens of each warm-up request (a wave of as many as are in flight, each way)
 WARM_UP_TOKENS = 16
 
@@ -82,6 +85,16 @@ def requests_at(config: ServingConfig, concurrency: int) -> int:
     return max(config.prompts_per_slot * concurrency, config.min_requests)
 
 
+def mean_between(before: dict, after: dict, family: str) -> float | None:
+    """The mean of histogram ``family``'s observations between two ``read_histograms``."""
+    (s0, n0), (s1, n1) = before.get(family, (0.0, 0.0)), after.get(family, (0.0, 0.0))
+    return (s1 - s0) / (n1 - n0) if n1 > n0 else None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
 def run(config: ServingConfig, *, progress=print) -> list[dict]:
     """One row per concurrency: plain and DFLASH throughput, their ratio, and τ."""
     count = max(requests_at(config, c) for c in config.concurrency)
@@ -110,21 +123,22 @@ def run(config: ServingConfig, *, progress=print) -> list[dict]:
                 for speculative in (False, True) if config.warm_up_wave else ():
                     asyncio.run(run_bench(bench(speculative, c, WARM_UP_TOKENS)))
                 for name, speculative in (("plain", False), ("dflash", True)):
-                    before = read_histograms(decode_metrics).get(ACCEPT_LENGTH, (0.0, 0.0))
+                    before = read_histograms(decode_metrics)
                     (point,) = asyncio.run(run_bench(bench(speculative, row["requests"],
                                                            config.output_len))).points
-                    after = read_histograms(decode_metrics).get(ACCEPT_LENGTH, (0.0, 0.0))
+                    after = read_histograms(decode_metrics)
                     s = point.summary
                     if s.failed:
                         raise RuntimeError(f"{s.failed} {name} requests failed at "
                                            f"concurrency {c}")
-                    steps = after[1] - before[1]
                     row[name] = {"output_tokens_per_s": s.output_throughput,
                                  "tpot_p50_ms": s.tpot.p50, "ttft_p50_ms": s.ttft.p50,
                                  "output_tokens": s.output_tokens,
-                                 "tau": (after[0] - before[0]) / steps if steps else None}
+                                 "tau": mean_between(before, after, ACCEPT_LENGTH),
+                                 "step_ms": _ms(mean_between(before, after, STEP_TIME))}
                     progress(f"concurrency {c}, {name}: {s.output_throughput:.1f} output "
-                             f"tokens/s, TPOT p50 {s.tpot.p50:.1f} ms")
+                             f"tokens/s, TPOT p50 {s.tpot.p50:.2f} ms, decode worker's "
+                             f"step {row[name]['step_ms'] or 0:.2f} ms")
                 row["speedup"] = (row["dflash"]["output_tokens_per_s"]
                                   / row["plain"]["output_tokens_per_s"])
                 # decode alone: each request's time per token after its first, whose wait
@@ -138,14 +152,19 @@ def run(config: ServingConfig, *, progress=print) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'concurrency':>11} {'plain tok/s':>12} {'DFLASH tok/s':>13} {'speedup':>8} "
              f"{'decode x':>8} {'tau':>5} {'TPOT plain ms':>14} {'TPOT DFLASH ms':>15} "
+             f"{'step plain ms':>14} {'step DFLASH ms':>15} "
              f"{'TTFT plain ms':>14} {'TTFT DFLASH ms':>15}"]
+
+    def num(value: float | None, width: int, digits: int) -> str:
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
     for r in rows:
         p, d = r["plain"], r["dflash"]
-        tau = "-" if d["tau"] is None else f"{d['tau']:.2f}"
         lines.append(f"{r['concurrency']:>11} {p['output_tokens_per_s']:>12.1f} "
                      f"{d['output_tokens_per_s']:>13.1f} {r['speedup']:>8.2f} "
-                     f"{r['decode_speedup']:>8.2f} {tau:>5} "
-                     f"{p['tpot_p50_ms']:>14.1f} {d['tpot_p50_ms']:>15.1f} "
+                     f"{r['decode_speedup']:>8.2f} {num(d['tau'], 5, 2)} "
+                     f"{p['tpot_p50_ms']:>14.2f} {d['tpot_p50_ms']:>15.2f} "
+                     f"{num(p.get('step_ms'), 14, 2)} {num(d.get('step_ms'), 15, 2)} "
                      f"{p['ttft_p50_ms']:>14.1f} {d['ttft_p50_ms']:>15.1f}")
     return "\n".join(lines)
 

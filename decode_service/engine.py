@@ -11,6 +11,7 @@ whole group, so it runs here, on the engine thread, between steps."""
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from typing import Callable
 
@@ -227,11 +228,13 @@ class DecodeEngine(EngineLoop):
         return self.engine.has_work()
 
     def step(self) -> None:
+        start = time.perf_counter()
         events = self.engine.step()
         self.metrics.tokens_emitted(len(events))
         if events:
-            self.metrics.engine_step(len({event.request_id for event in events}))
             self._emit(events)
+            self.metrics.engine_step(len({event.request_id for event in events}),
+                                     time.perf_counter() - start)
 
     def on_step_failed(self, exc: StepFailed) -> None:
         for request_id in exc.request_ids:

@@ -14,6 +14,8 @@ def exponential_buckets(start: float, factor: float, count: int) -> tuple[float,
 LATENCY_S = exponential_buckets(0.001, 2.0, 19)
 # gaps between tokens: 0.25 ms (a fast GPU decode step) to about 8 s (a stall)
 TOKEN_GAP_S = exponential_buckets(0.00025, 2.0, 16)
+# one engine step: 62.5 us (a small model's graphed decode step) to about 8 s (a long prefill)
+STEP_S = exponential_buckets(0.0000625, 2.0, 18)
 # handoff payloads: 1 KiB to 64 GiB (a long prompt's KV on a large model)
 BYTES = exponential_buckets(1024.0, 4.0, 14)
 # requests in one engine step: 1 to 512

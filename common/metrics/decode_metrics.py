@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from common.metrics.buckets import BATCH, BYTES, LATENCY_S, accept_length_buckets
+from common.metrics.buckets import BATCH, BYTES, LATENCY_S, STEP_S, accept_length_buckets
 from common.metrics.samples import sample_total, sums_by_label
 from common.metrics.worker_gauges import LoadSnapshot, WorkerGauges
 
@@ -58,6 +58,12 @@ class DecodeMetrics:
             f"{PREFIX}_step_requests",
             "Requests that got tokens in one engine step; its count is the steps run.",
             buckets=BATCH, registry=r)
+        self.step_time = Histogram(
+            f"{PREFIX}_step_time_seconds",
+            "Wall time of one engine step that gave tokens, on the engine thread: its launch, "
+            "the read of its tokens, and their hand-over to the streams. Against the time per "
+            "output token a client sees, it tells the engine's part from the serving path's.",
+            buckets=STEP_S, registry=r)
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)  # present at 0 from the start
         self.handoffs.labels(status="OK")
@@ -98,9 +104,10 @@ class DecodeMetrics:
         emits hundreds)."""
         self.generated_tokens.inc(num_tokens)
 
-    def engine_step(self, num_requests: int) -> None:
-        """One engine step gave ``num_requests`` requests tokens."""
+    def engine_step(self, num_requests: int, seconds: float) -> None:
+        """One engine step of ``seconds`` gave ``num_requests`` requests tokens."""
         self.step_requests.observe(num_requests)
+        self.step_time.observe(seconds)
 
     def spec_step(self, accept_length: int) -> None:
         """A request's DFLASH step committed ``accept_length`` tokens."""

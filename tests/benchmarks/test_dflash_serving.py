@@ -30,9 +30,14 @@ def test_each_concurrency_runs_plain_then_speculative_on_the_same_cluster(held_o
         assert r["speedup"] == pytest.approx(dflash["output_tokens_per_s"]
                                              / plain["output_tokens_per_s"])
         assert r["decode_speedup"] == pytest.approx(plain["tpot_p50_ms"] / dflash["tpot_p50_ms"])
+        for arm in (plain, dflash):
+            # the decode worker's mean engine step, in ms: one step is within the arm's time
+            seconds = arm["output_tokens"] / arm["output_tokens_per_s"]
+            assert 0 < arm["step_ms"] < seconds * 1e3
     table = format_table(rows)
     header = table.splitlines()[0]
     assert header.split()[0] == "concurrency" and len(table.splitlines()) == 3
     # TTFT beside TPOT: a queue in front of one half shows there, not in TPOT
     assert "TTFT plain ms" in header and "TTFT DFLASH ms" in header
-    assert "decode x" in header and len(table.splitlines()[1].split()) == 10
+    assert "decode x" in header and len(table.splitlines()[1].split()) == 12
+    assert "step plain ms" in header and "step DFLASH ms" in header

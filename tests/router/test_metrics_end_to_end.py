@@ -138,6 +138,10 @@ def test_every_endpoint_moves_by_what_was_served(cluster):
     # each request's DFLASH step is in one engine step, which may carry several requests
     assert delta(d0, d1, f"{D}_step_requests_sum") == len(steps)
     assert 0 < delta(d0, d1, f"{D}_step_requests_count") <= len(steps)
+    # each of those steps was timed, and took some time
+    assert delta(d0, d1, f"{D}_step_time_seconds_count") == delta(
+        d0, d1, f"{D}_step_requests_count")
+    assert delta(d0, d1, f"{D}_step_time_seconds_sum") > 0
 
     for s, prefix in ((p1, P), (d1, D)):
         assert pools_full(s, prefix) and s.value(f"{prefix}_waiting_requests") == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from common.metrics.decode_metrics import DecodeMetrics
 from tests.common.metrics.scrape import scrape_registry
 
@@ -69,8 +71,10 @@ def test_admitted_requests_count_by_whether_they_speculate():
 def test_engine_steps_count_steps_and_their_batches():
     m = DecodeMetrics(lambda: LOAD)
     for batch in (1, 3, 3, 16):
-        m.engine_step(batch)
+        m.engine_step(batch, 0.0005 * batch)
     s = scrape_registry(m.registry)
+    assert s.value(f"{P}_step_time_seconds_count") == 4
+    assert s.value(f"{P}_step_time_seconds_sum") == pytest.approx(0.0115)
     assert s.value(f"{P}_step_requests_count") == 4
     assert s.value(f"{P}_step_requests_sum") == 23
     assert [s.value(f"{P}_step_requests_bucket", le=le)
