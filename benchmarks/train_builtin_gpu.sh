@@ -26,7 +26,8 @@
 # target stage's kernel compilation off.
 # On a GPU, REGEN_PROMPTS (6144) and REGEN_TOKENS (384) size the draft's regenerated data,
 # REGEN_RUNNING (256) is how many of its requests run at once (more for a small target, whose
-# steps are bound by kernel launches rather than by rows), and
+# steps are bound by kernel launches rather than by rows), REGEN_WAVES=1 admits them a wave
+# of REGEN_RUNNING at a time (`regenerate --waves`), and
 # TAU_PROMPTS (64) and TAU_TOKENS (256) the τ benchmark: fewer for a larger target whose stage
 # must fit a time limit. TARGET_BATCH (64) and DRAFT_BATCH (32) are the training batches in
 # windows of 512 tokens: the larger target at 64 needs more than an 80 GB H100 holds (32 fits,
@@ -135,7 +136,8 @@ stage_regen() {
     "$PY" -m common.training.regenerate --model "$TARGET" --data "$OUT/corpus" \
         --out "$OUT/regen.jsonl" --num-prompts "$REGEN_PROMPTS" --prompt-tokens 128 \
         --max-new-tokens "$REGEN_TOKENS" --temperatures "${REGEN_TEMPERATURES:-0,0.7}" \
-        --max-running "${REGEN_RUNNING:-256}" --device "$DEVICE" --kernels "$KERNELS"
+        --max-running "${REGEN_RUNNING:-256}" --device "$DEVICE" --kernels "$KERNELS" \
+        $([ "${REGEN_WAVES:-0}" = 1 ] && echo --waves)
 }
 
 stage_draft() {

@@ -31,6 +31,10 @@ from common.training.corpus import read_manifest
 from common.training.provenance import environment, write_json
 
 
+# the most prompt tokens one prefill step of a wave takes
+WAVE_PREFILL_TOKENS = 32768
+
+
 @dataclass(frozen=True)
 class RegenerateConfig:
     model: str
@@ -44,6 +48,9 @@ class RegenerateConfig:
     device: str = "cpu"
     kernels: str = "auto"
     seed: int = 0
+    # admit prompts a wave of max_running at a time, prefilled together, the next wave once the
+    # last of this one ends; otherwise each prompt is admitted as a slot frees (continuous)
+    waves: bool = False
 
 
 def regenerate(config: RegenerateConfig) -> dict:
@@ -69,9 +76,13 @@ def regenerate(config: RegenerateConfig) -> dict:
         config.num_prompts).tolist()
     running = min(config.max_running, config.num_prompts)
     pages = -(-(config.prompt_tokens + config.max_new_tokens) // 16)
+    # a wave's prompts in few prefill steps (a step's budget, tokens, is the chunk of a prompt)
+    prefill = min(running * config.prompt_tokens, WAVE_PREFILL_TOKENS) if config.waves \
+        else SchedulerConfig.max_prefill_tokens
     engine = LLMEngine(target, EngineConfig(
         cache=CacheConfig(page_size=16, num_pages=1 + running * pages, num_slots=1 + running),
-        scheduler=SchedulerConfig(max_running_requests=running),
+        scheduler=SchedulerConfig(max_running_requests=running,
+                                  max_prefill_tokens=max(prefill, config.prompt_tokens)),
         cuda_graph=CudaGraphConfig(max_batch_size=running), device=config.device), eos)
     if torch.device(config.device).type == "cuda":
         engine.warmup()
@@ -80,7 +91,12 @@ def regenerate(config: RegenerateConfig) -> dict:
                              max_new_tokens=config.max_new_tokens,
                              seed=config.seed * 1_000_003 + i) for i in range(len(prompts))]
     start = time.perf_counter()
-    reqs = engine.generate(prompts, params)
+    if config.waves:
+        reqs = []
+        for i in range(0, len(prompts), running):
+            reqs += engine.generate(prompts[i:i + running], params[i:i + running])
+    else:
+        reqs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
     out = Path(config.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-running", type=int, default=RegenerateConfig.max_running)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=RegenerateConfig.seed)
+    p.add_argument("--waves", action="store_true",
+                   help="admit prompts --max-running at a time, each wave prefilled together, "
+                        "instead of one as each slot frees (the prefill steps between decode "
+                        "steps are then few and large)")
     p.add_argument("--kernels", default=RegenerateConfig.kernels,
                    help="the target's kernel set (auto: gpu on CUDA, else reference)")
     args = p.parse_args(argv)
@@ -130,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, data=args.data, out=args.out, num_prompts=args.num_prompts,
         prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
         temperatures=tuple(float(t) for t in args.temperatures.split(",") if t.strip()),
-        max_running=args.max_running, device=args.device, kernels=args.kernels, seed=args.seed)
+        max_running=args.max_running, device=args.device, kernels=args.kernels, seed=args.seed,
+        waves=args.waves)
     result = regenerate(config)
     print(f"regenerate: {result['prompts']} prompts, {result['generated_tokens']} tokens in "
           f"{result['seconds']} s ({result['tokens_per_s']} tokens/s) -> {args.out}",

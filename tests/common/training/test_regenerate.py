@@ -33,6 +33,21 @@ def test_continuations_are_the_engines(corpus_dir, tmp_path):
     assert read_documents(out) == [r["token_ids"] for r in rows]  # train-draft reads it back
 
 
+def test_waves_write_the_same_continuations(corpus_dir, tmp_path):
+    """Prompts admitted a wave at a time get the continuations they get when each is admitted
+    as a slot frees: the same prompts, seeds and engine, only the order of admission differs."""
+    rows = {}
+    for waves in (False, True):
+        out = tmp_path / f"regen-{waves}.jsonl"
+        result = regenerate(RegenerateConfig(model="tiny", data=str(corpus_dir), out=str(out),
+                                             num_prompts=7, prompt_tokens=12, max_new_tokens=9,
+                                             temperatures=(0.0, 0.7), max_running=3,
+                                             waves=waves))
+        assert result["prompts"] == 7
+        rows[waves] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[True] == rows[False]
+
+
 def test_the_data_records_how_it_was_made_and_the_draft_carries_it(corpus_dir, tmp_path):
     out = tmp_path / "regen.jsonl"
     result = regenerate(RegenerateConfig(model="tiny", data=str(corpus_dir), out=str(out),
