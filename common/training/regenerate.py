@@ -76,7 +76,8 @@ def regenerate(config: RegenerateConfig) -> dict:
         config.num_prompts).tolist()
     running = min(config.max_running, config.num_prompts)
     pages = -(-(config.prompt_tokens + config.max_new_tokens) // 16)
-    # a wave's prompts in few prefill steps (a step's budget, tokens, is the chunk of a prompt)
+    # a wave prefilled in few steps: up to WAVE_PREFILL_TOKENS prompt tokens a step, at least
+    # one whole prompt
     prefill = min(running * config.prompt_tokens, WAVE_PREFILL_TOKENS) if config.waves \
         else SchedulerConfig.max_prefill_tokens
     engine = LLMEngine(target, EngineConfig(
