@@ -78,12 +78,11 @@ def regenerate(config: RegenerateConfig) -> dict:
     pages = -(-(config.prompt_tokens + config.max_new_tokens) // 16)
     # a wave prefilled in few steps: up to WAVE_PREFILL_TOKENS prompt tokens a step, at least
     # one whole prompt
-    prefill = min(running * config.prompt_tokens, WAVE_PREFILL_TOKENS) if config.waves \
-        else SchedulerConfig.max_prefill_tokens
+    prefill = max(min(running * config.prompt_tokens, WAVE_PREFILL_TOKENS),
+                  config.prompt_tokens) if config.waves else SchedulerConfig.max_prefill_tokens
     engine = LLMEngine(target, EngineConfig(
         cache=CacheConfig(page_size=16, num_pages=1 + running * pages, num_slots=1 + running),
-        scheduler=SchedulerConfig(max_running_requests=running,
-                                  max_prefill_tokens=max(prefill, config.prompt_tokens)),
+        scheduler=SchedulerConfig(max_running_requests=running, max_prefill_tokens=prefill),
         cuda_graph=CudaGraphConfig(max_batch_size=running), device=config.device), eos)
     if torch.device(config.device).type == "cuda":
         engine.warmup()
@@ -145,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                         "instead of one as each slot frees (the prefill steps between decode "
                         "steps are then few and large)")
     p.add_argument("--kernels", default=RegenerateConfig.kernels,
-                   help="the target's kernel set (auto: gpu on CUDA, else reference)")
+                   help="the target's kernel set (auto: as the workers choose it for the "
+                        "device, docs/kernels.md)")
     args = p.parse_args(argv)
     config = RegenerateConfig(
         model=args.model, data=args.data, out=args.out, num_prompts=args.num_prompts,
