@@ -49,7 +49,7 @@ from common.ops.registry import (CPU_BACKEND, CPU_OPS, GPU_OPS, PDL_BACKEND, REF
                                  REFERENCE_OPS)
 
 __all__ = ["AUTO", "AUTO_ON_CUDA", "AUTO_ON_CUDA_SPECULATIVE", "BACKEND_SETS", "backends_for",
-           "chosen_backends", "describe", "set_for_device", "sets_for_device"]
+           "chosen_backends", "describe", "sets_for_device"]
 
 _GPU = {
     "chunk_gated_delta_rule": "flashinfer",
@@ -147,9 +147,3 @@ def sets_for_device(name: str, device: str, *, speculative_decode: bool = False
             return ("cpu",)
         return AUTO_ON_CUDA_SPECULATIVE if speculative_decode else AUTO_ON_CUDA
     return (name,)
-
-
-def set_for_device(name: str, device: str) -> str:
-    """The set ``name`` stands for on ``device`` when its libraries load: the first of
-    :func:`sets_for_device`."""
-    return sets_for_device(name, device)[0]

@@ -42,9 +42,9 @@ def test_backend_sets_name_registered_backends():
     assert plain["linear"] == "triton" and plain["paged_attention"] == "flashinfer"
     with pytest.raises(ValueError, match="known: cpu, gpu, gpu-fla, gpu-no-pdl, gpu-triton-attention, reference"):
         gpu_backends.backends_for("fast")
-    assert gpu_backends.set_for_device("auto", "cuda:1") == "gpu"
-    assert gpu_backends.set_for_device("auto", "cpu") == "cpu"
-    assert gpu_backends.set_for_device("gpu-fla", "cpu") == "gpu-fla"
+    assert gpu_backends.sets_for_device("auto", "cuda:1")[0] == "gpu"
+    assert gpu_backends.sets_for_device("auto", "cpu")[0] == "cpu"
+    assert gpu_backends.sets_for_device("gpu-fla", "cpu")[0] == "gpu-fla"
 
 
 def test_reference_set_selects_reference_kernels():

@@ -9,7 +9,7 @@ import importlib
 import pytest
 
 from common.model.kernels import MODEL_OPS, Kernels, select_kernels
-from common.ops.gpu_backends import AUTO, BACKEND_SETS, backends_for, set_for_device
+from common.ops.gpu_backends import AUTO, BACKEND_SETS, backends_for, sets_for_device
 from common.ops.graph_capabilities import graph_support
 from common.ops.registry import CPU_BACKEND, CPU_OPS, GPU_OPS, default_registry
 
@@ -40,8 +40,8 @@ def test_a_misspelt_op_is_refused():
 
 
 def test_auto_is_the_cpu_set_off_cuda_and_reference_stays_selectable():
-    assert set_for_device(AUTO, "cpu") == "cpu" and set_for_device(AUTO, "cuda:0") == "gpu"
-    assert set_for_device("reference", "cpu") == "reference"
+    assert sets_for_device(AUTO, "cpu")[0] == "cpu" and sets_for_device(AUTO, "cuda:0")[0] == "gpu"
+    assert sets_for_device("reference", "cpu")[0] == "reference"
     assert backends_for("cpu") == {op: CPU_BACKEND for op in CPU_OPS}
     assert all(backend == "reference" for _, backend in select_kernels("reference").backends)
     chosen = dict(select_kernels("cpu").backends)
