@@ -54,6 +54,18 @@ def add_train_draft_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--train-on-prompts", action="store_true",
                      help="also learn the prompts of regenerated data (lines with "
                           "\"prompt_tokens\"), not only what the target wrote")
+    ev = p.add_argument_group("held-out evaluation (loss, accept length, and the τ a decode "
+                              "would see)")
+    ev.add_argument("--eval-data", default=None,
+                    help="held-out data in any --data form (default: --eval-fraction of "
+                         "--data's documents, kept out of training)")
+    ev.add_argument("--eval-fraction", type=float, default=DraftTrainConfig.eval_fraction,
+                    help="share of the documents held out when --eval-data is not given "
+                         "(every k-th, k = 1/fraction); 0: no evaluation")
+    ev.add_argument("--eval-windows", type=int, default=DraftTrainConfig.eval_windows,
+                    help="held-out windows of --seq-len tokens per evaluation")
+    ev.add_argument("--eval-points", type=int, default=DraftTrainConfig.eval_points,
+                    help="evaluations spread over the run, the last at its end")
     run.add_argument("--checkpoint-every", type=int, default=DraftTrainConfig.checkpoint_every,
                      help="steps between checkpoints")
     run.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
@@ -88,7 +100,8 @@ def config_from_args(args: argparse.Namespace) -> DraftTrainConfig:
         loss_decay_gamma=args.loss_decay_gamma or None, checkpoint_every=args.checkpoint_every,
         device=args.device, dtype=args.dtype, target_dtype=args.target_dtype,
         kernels=args.kernels, seed=args.seed, train_on_prompts=args.train_on_prompts,
-        resume=args.resume,
+        eval_data=args.eval_data, eval_fraction=args.eval_fraction,
+        eval_windows=args.eval_windows, eval_points=args.eval_points, resume=args.resume,
         progress=not args.no_progress)
 
 
@@ -99,5 +112,15 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     t = result["training"]
     print(f"draft: {result['parameters'] / 1e6:.2f}M parameters, {t['steps']} steps in "
           f"{t['seconds']} s, final loss {t['final']['loss']}, accept length on the data "
-          f"{t['final']['accept_length_on_data']}; written to {args.out}", file=sys.stderr)
+          f"{t['final']['accept_length_on_data']}{_held_out(result)}; written to {args.out}",
+          file=sys.stderr)
     return 0
+
+
+def _held_out(result: dict) -> str:
+    evals = result.get("held_out", {}).get("evaluations")
+    if not evals:
+        return ""
+    last = evals[-1]
+    return (f"; held-out: loss {last['loss']}, accept length {last['accept_length']}, "
+            f"decode τ {last['tau']}")

@@ -58,6 +58,11 @@ class DraftTrainConfig:
         kernels: the target's kernel set ("auto": "gpu" on CUDA, else "reference").
         train_on_prompts: a regenerated line's prompt (corpus text, not the target's) is
             trained on too; by default only the tokens the target wrote are labels.
+        eval_data: held-out data, evaluated ``eval_points`` times over the run
+            (``common.training.draft_eval``: loss, accept length, and the τ a decode would
+            see); default: ``eval_fraction`` of the data's documents, kept out of training
+            (0: no evaluation).
+        eval_windows: held-out windows of ``seq_len`` tokens an evaluation reads.
     """
 
     target: str
@@ -81,6 +86,10 @@ class DraftTrainConfig:
     kernels: str = "auto"
     seed: int = 0
     train_on_prompts: bool = False
+    eval_data: str | None = None
+    eval_fraction: float = 0.02
+    eval_windows: int = 16
+    eval_points: int = 4
     resume: bool = False
     progress: bool = True
 
@@ -88,6 +97,9 @@ class DraftTrainConfig:
         if self.seq_len <= self.arch.block_size:
             raise ValueError(f"seq_len {self.seq_len} must exceed the block size "
                              f"{self.arch.block_size}")
-        for name in ("batch_size", "num_anchors", "checkpoint_every"):
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must lie in [0, 1), got {self.eval_fraction}")
+        for name in ("batch_size", "num_anchors", "checkpoint_every", "eval_windows",
+                     "eval_points"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

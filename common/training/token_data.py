@@ -161,10 +161,14 @@ def held_out_windows(path: str | Path, tokenizer: Tokenizer | None, separator: i
     return spaced_windows(stream, seq_len, count).tolist()
 
 
+def spaced_starts(num_tokens: int, seq_len: int, count: int) -> torch.Tensor:
+    """Offsets of up to ``count`` windows of ``seq_len`` evenly spaced over ``num_tokens``."""
+    if num_tokens < seq_len:
+        raise ValueError(f"{num_tokens} tokens are fewer than one window of {seq_len}")
+    return torch.linspace(0, num_tokens - seq_len, steps=max(1, count)).long().unique()
+
+
 def spaced_windows(stream: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
     """[m, seq_len] windows at evenly spaced offsets (m <= count): a fixed evaluation set."""
-    if stream.numel() < seq_len:
-        raise ValueError(f"{stream.numel()} tokens are fewer than one window of {seq_len}")
-    last = stream.numel() - seq_len
-    starts = torch.linspace(0, last, steps=max(1, count)).long().unique()
+    starts = spaced_starts(stream.numel(), seq_len, count)
     return stream[starts[:, None] + torch.arange(seq_len)].long()

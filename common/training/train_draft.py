@@ -7,7 +7,10 @@ each window become blocks ``[anchor token, MASK x (B-1)]``; the draft's block-di
 budget (steps, seconds, or both). The target is never updated.
 
 ``OUT`` receives the draft (``config.json``, ``model.safetensors``), ``provenance.json`` and
-``loss.png``; ``OUT/checkpoint/`` holds the training state (draft, optimizer, data and anchor
+``loss.png``. Held-out data (``eval_data``, else a share of the data's documents) is evaluated
+``eval_points`` times (``common.training.draft_eval``): the loss, the accept length, and the τ
+a decode would see, which the accept length on training batches overstates about twofold.
+``OUT/checkpoint/`` holds the training state (draft, optimizer, data and anchor
 generators, history), written every ``checkpoint_every`` steps and at the end, from which
 ``resume`` continues the same run.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -25,6 +29,7 @@ from common.model.dflash import DFlashDraftModel
 from common.model.dflash_config import DFlashConfig
 from common.training.capture import HiddenCapture
 from common.training.curves import plot_curves, smooth
+from common.training.draft_eval import DraftEval, HeldOutSet, split_held_out
 from common.training.draft_forward import block_loss, sample_anchors
 from common.training.draft_config import DraftTrainConfig
 from common.training.draft_setup import (draft_config_dict, init_draft_weights,
@@ -38,7 +43,7 @@ STATE_FILE = "training_state.pt"
 # settings a resumed run must share with the run it continues (the budget may change)
 _RUN_FIELDS = ("target", "data", "arch", "seq_len", "batch_size", "num_anchors", "lr",
                "weight_decay", "warmup", "min_lr_ratio", "grad_clip", "loss_decay_gamma",
-               "seed", "target_dtype", "train_on_prompts")
+               "seed", "target_dtype", "train_on_prompts", "eval_data", "eval_fraction")
 
 
 def checkpoint_path(out: str | Path) -> Path:
@@ -85,9 +90,31 @@ class _Run:
         tokenizer = load_tokenizer(config.target, allow_missing=True)
         tokenizer = tokenizer if tokenizer.vocab_size else None
         eos = eos_token_ids_for(config.target, self.target.config)
-        stream, labels = token_stream_and_labels(read_documents(config.data), tokenizer,
-                                                 separator=eos[0] if eos else None,
-                                                 vocab_size=self.target.config.vocab_size)
+        separator, vocab = (eos[0] if eos else None), self.target.config.vocab_size
+        documents = read_documents(config.data)
+        if config.eval_data:
+            held, self.held_out_source = read_documents(config.eval_data), config.eval_data
+        else:
+            documents, held = split_held_out(documents, config.eval_fraction)
+            self.held_out_source = (f"every {round(1 / config.eval_fraction)}th document of the "
+                                    f"data" if held else None)
+            if not held and config.eval_fraction:
+                print(f"train-draft: no held-out evaluation: the data has {len(documents)} "
+                      f"documents, too few to hold out {config.eval_fraction:g} of them "
+                      f"(give --eval-data)", file=sys.stderr)
+        stream, labels = token_stream_and_labels(documents, tokenizer, separator=separator,
+                                                 vocab_size=vocab)
+        self.held_out = self.held_out_documents = None
+        if held:
+            held_stream, held_labels = token_stream_and_labels(held, tokenizer,
+                                                               separator=separator,
+                                                               vocab_size=vocab)
+            if held_stream.numel() < config.seq_len:
+                raise ValueError(f"the held-out data has {held_stream.numel()} tokens, fewer "
+                                 f"than one window of --seq-len {config.seq_len}")
+            self.held_out = HeldOutSet(held_stream, held_labels, config.seq_len,
+                                       config.eval_windows)
+            self.held_out_documents = len(held)
         if config.train_on_prompts:
             labels = torch.ones_like(labels)
         self.stream_tokens, self.label_tokens = int(stream.numel()), int(labels.sum())
@@ -120,6 +147,7 @@ class _Run:
             lr=config.lr, betas=(0.9, 0.95), fused=self.autocast)
         self.step, self.elapsed_s = 0, 0.0
         self.history: list[list[float]] = []  # [step, loss, accuracy, accept length]
+        self.evals: list[DraftEval] = []
 
     # checkpoints
     @property
@@ -134,6 +162,7 @@ class _Run:
             "draft_config": json.dumps(self.draft_config),
             "draft": self.draft.state_dict(), "optimizer": self.opt.state_dict(),
             "step": self.step, "elapsed_s": elapsed_s, "history": self.history,
+            "evals": json.dumps([e.row() for e in self.evals]),
             "sampler": self.sampler.state(), "anchors": self.anchor_gen.get_state(),
         }
         tmp = path.with_suffix(".tmp")
@@ -153,8 +182,20 @@ class _Run:
         self.opt.load_state_dict(state["optimizer"])
         self.step, self.elapsed_s = int(state["step"]), float(state["elapsed_s"])
         self.history = [list(h) for h in state["history"]]
+        self.evals = [DraftEval(**row) for row in json.loads(state.get("evals", "[]"))]
         self.sampler.load_state(state["sampler"].cpu())
         self.anchor_gen.set_state(state["anchors"].cpu())
+
+    def evaluate(self) -> DraftEval | None:
+        """The held-out evaluation at this step (None without held-out data)."""
+        if self.held_out is None:
+            return None
+        result = self.held_out.evaluate(
+            self.step, draft=self.draft, capture=self.capture, embed=self.embed,
+            lm_head=self.lm_head, loss_decay_gamma=self.config.loss_decay_gamma,
+            batch_size=self.config.batch_size, autocast=self.autocast)
+        self.evals.append(result)
+        return result
 
     # one optimizer step
     def train_step(self, lr: float) -> list[float]:
@@ -199,19 +240,28 @@ def train_draft(config: DraftTrainConfig) -> dict:
     run.capture(torch.zeros(1, config.seq_len, dtype=torch.long))
     clock = Clock(run.elapsed_s)
     schedule = CosineSchedule(config.lr, config.warmup, config.min_lr_ratio)
-    bar = BudgetBar("train draft", enabled=config.progress,
-                    initial=config.budget.fraction(run.step, clock.elapsed()))
+    fraction = config.budget.fraction(run.step, clock.elapsed())
+    bar = BudgetBar("train draft", enabled=config.progress, initial=fraction)
+    points = config.eval_points
+    next_eval = (int(fraction * points) + 1) / points  # the first not yet passed
     try:
         while not config.budget.done(run.step, clock.elapsed()):
             _, loss, acc, accept = run.train_step(
                 schedule.lr(config.budget.fraction(run.step, clock.elapsed())))
+            fraction = config.budget.fraction(run.step, clock.elapsed())
+            if next_eval <= fraction < 1.0:
+                run.evaluate()
+                next_eval = (int(fraction * points) + 1) / points
             if run.step % config.checkpoint_every == 0:
                 run.save_checkpoint(clock.elapsed())
-            bar.update(config.budget.fraction(run.step, clock.elapsed()), step=run.step,
-                       loss=f"{loss:.3f}", acc=f"{acc:.3f}", accept=f"{accept:.2f}")
+            held = f"{run.evals[-1].tau:.2f}" if run.evals else "-"
+            bar.update(fraction, step=run.step, loss=f"{loss:.3f}", acc=f"{acc:.3f}",
+                       accept=f"{accept:.2f}", held_out_tau=held)
     finally:
         bar.close()
     seconds = clock.elapsed()
+    if not run.evals or run.evals[-1].step != run.step:
+        run.evaluate()  # the end of the run
     run.save_checkpoint(seconds)
     save_draft(run.draft, run.draft_config, out, dtype=run.save_dtype)
     return _write_report(run, seconds)
@@ -221,11 +271,13 @@ def _write_report(run: _Run, seconds: float) -> dict:
     config, out = run.config, Path(run.config.out)
     steps = [h[0] for h in run.history]
     window = max(1, min(50, len(steps) // 10))
+    series = {f"loss ({window}-step mean)": (steps, smooth([h[1] for h in run.history],
+                                                            window))}
+    if run.evals:
+        series["held-out loss"] = ([e.step for e in run.evals], [e.loss for e in run.evals])
     plot_curves(out / "loss.png",
                 title=f"DFLASH draft, B={config.arch.block_size}: {run.step} steps, "
-                      f"{seconds:.0f} s",
-                series={f"loss ({window}-step mean)": (steps, smooth([h[1] for h in run.history],
-                                                                     window))})
+                      f"{seconds:.0f} s", series=series)
     every = max(1, len(steps) // 200)
     last = run.history[-window:] if run.history else []
     provenance = {
@@ -238,6 +290,12 @@ def _write_report(run: _Run, seconds: float) -> dict:
         "data_tokens": run.stream_tokens,
         "label_tokens": run.label_tokens,
         "data_made_by": read_provenance(config.data),
+        "held_out": {} if run.held_out is None else {
+            "source": run.held_out_source, "documents": run.held_out_documents,
+            "tokens": run.held_out.num_tokens, "windows": len(run.held_out.tokens),
+            "evaluations": [e.row() for e in run.evals],
+            "tau_means": "a greedy decode's tokens per step with the held-out tokens as the "
+                         "verifier's choices (common/training/draft_eval.py)"},
         "training": {
             **json.loads(json.dumps(dataclasses.asdict(config))),
             "objective": "block diffusion: random anchors, blocks [anchor, MASK x (B-1)], "
