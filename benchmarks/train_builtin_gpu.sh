@@ -17,7 +17,8 @@
 #   serve  (~3 min): output tokens/s through router -> prefill -> decode with DFLASH against
 #          without, at 1, 8 and 32 requests in flight (benchmarks/dflash_serving.py).
 # ARCH=FILE trains another target shape (a JSON of Qwen3_5TextConfig fields, e.g.
-# benchmarks/large_target_arch.json: about 280M parameters); DRAFT_LAYERS (default 2) and
+# benchmarks/large_target_arch.json: about 280M parameters; benchmarks/medium_target_arch.json:
+# 19.9M, docs/training.md "A medium built-in target"); DRAFT_LAYERS (default 2) and
 # TARGET_LAYER_IDS (default 1,3,5, the built-in target's; "" picks z-lab's rule) shape its draft.
 # CORPUS=DIR trains on a corpus written earlier by `python -m common.training.corpus` (e.g. on
 # a machine whose Python carries its whole standard library, tests included: a slim

@@ -52,6 +52,25 @@ def test_pycoder_architecture_is_a_servable_config():
     assert config.linear_key_head_dim == config.head_dim == 128  # the GPU kernels' fast path
 
 
+@pytest.mark.parametrize("name, full, params", [("medium_target_arch.json", (3, 7), 19_908_272),
+                                                 ("large_target_arch.json", None, None)])
+def test_benchmark_target_architectures_are_servable(name, full, params):
+    from pathlib import Path
+
+    from common.model.family_registry import parse_model_config
+
+    arch = json.loads((Path(__file__).parents[3] / "benchmarks" / name).read_text())
+    config = parse_model_config({"model_type": "qwen3_5_text", "vocab_size": 8192, **arch})
+    assert config.linear_key_head_dim == config.head_dim == 128
+    if full is not None:
+        assert config.full_attention_layers == full
+    if params is not None:  # as its run recorded (docs/training.md), on no device
+        config_cls, model_cls = import_transformers("cpu")
+        with torch.device("meta"):
+            model = model_cls(config_cls(**arch, vocab_size=8192))
+        assert sum(p.numel() for p in model.parameters()) == params
+
+
 def test_cli_needs_a_budget(tmp_path):
     with pytest.raises(SystemExit):
         main(["--corpus", str(tmp_path), "--tokenizer", str(tmp_path), "--out", str(tmp_path)])
