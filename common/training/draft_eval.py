@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.training.draft_forward import block_hidden, block_logits
+from common.training.draft_forward import accept_runs, block_hidden, block_logits, row_weights
 from common.training.token_data import Document, spaced_starts
 
-__all__ = ["DraftEval", "split_held_out", "accept_runs", "decode_walk", "HeldOutSet"]
+__all__ = ["DraftEval", "split_held_out", "decode_walk", "HeldOutSet"]
 
 # logits an evaluation holds at once (windows x anchors x (B-1) x vocab fp32 values): 256 MB,
 # which sets how many anchors go through the draft together
@@ -63,12 +63,6 @@ def split_held_out(documents: list[Document], fraction: float
     held = [d for i, d in enumerate(documents) if i % k == k - 1]
     kept = [d for i, d in enumerate(documents) if i % k != k - 1]
     return kept, held
-
-
-def accept_runs(correct: torch.Tensor) -> torch.Tensor:
-    """``correct`` [..., B-1] bool (row k right and on a label) -> accept lengths [...]:
-    1 + the leading run of True."""
-    return 1 + correct.long().cumprod(-1).sum(-1)
 
 
 def decode_walk(lengths: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
@@ -113,9 +107,7 @@ class HeldOutSet:
         b = draft.config.block_size
         t = self.tokens.shape[1]
         rows = torch.arange(1, b)
-        weights = torch.ones(b - 1)
-        if loss_decay_gamma:
-            weights = torch.exp(-(rows - 1).float() / loss_decay_gamma)
+        weights = row_weights(b, loss_decay_gamma)
         loss_sum = weight_sum = accept_sum = blocks = 0.0
         steps = tokens = 0
         device = next(draft.parameters()).device

@@ -178,6 +178,20 @@ def block_logits(draft: DFlashDraftModel, hidden: torch.Tensor,
     return logits
 
 
+def row_weights(block_size: int, loss_decay_gamma: float | None,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B-1] loss weights of block rows 1..B-1: ``exp(-(k-1)/gamma)``, or 1 without gamma."""
+    if not loss_decay_gamma:
+        return torch.ones(block_size - 1, device=device)
+    return torch.exp(-torch.arange(block_size - 1, device=device).float() / loss_decay_gamma)
+
+
+def accept_runs(correct: torch.Tensor) -> torch.Tensor:
+    """``correct`` [..., B-1] bool (row k right and on a label) -> accept lengths [...]:
+    1 + the leading run of True."""
+    return 1 + correct.long().cumprod(-1).sum(-1)
+
+
 def block_loss(draft: DFlashDraftModel, aux: torch.Tensor, tokens: torch.Tensor,
                anchors: torch.Tensor, *, embed: torch.Tensor, lm_head: torch.Tensor,
                loss_decay_gamma: float | None, labels: torch.Tensor | None = None) -> BlockLoss:
@@ -190,9 +204,7 @@ def block_loss(draft: DFlashDraftModel, aux: torch.Tensor, tokens: torch.Tensor,
     at = (anchors[:, :, None] + rows).view(s, -1)
     targets = tokens.gather(1, at).view(s, a, b - 1)
     ce = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none")
-    weights = torch.ones(b - 1, device=tokens.device)
-    if loss_decay_gamma:
-        weights = torch.exp(-(rows - 1).float() / loss_decay_gamma)
+    weights = row_weights(b, loss_decay_gamma, tokens.device)
     correct = logits.argmax(-1) == targets
     counted = torch.ones_like(correct) if labels is None \
         else labels.to(tokens.device).gather(1, at).view(s, a, b - 1)
@@ -202,6 +214,6 @@ def block_loss(draft: DFlashDraftModel, aux: torch.Tensor, tokens: torch.Tensor,
     with torch.no_grad():
         blocks = counted[:, :, 0]
         accuracy = (correct & counted).sum() / counted.sum().clamp_min(1)
-        run = (correct & counted).long().cumprod(-1).sum(-1).float()
+        run = accept_runs(correct & counted).float() - 1  # the accepted draft rows
         accept = 1.0 + (run * blocks).sum() / blocks.sum().clamp_min(1)
     return BlockLoss(loss=loss, accuracy=accuracy, accept_length=accept)

@@ -12,17 +12,11 @@ import torch
 from common.model.dflash import load_draft
 from common.model.load import load_model
 from common.training.capture import HiddenCapture
-from common.training.draft_eval import HeldOutSet, accept_runs, decode_walk, split_held_out
+from common.training.draft_eval import HeldOutSet, decode_walk, split_held_out
 from common.training.draft_forward import block_loss
 from common.training.train_draft import train_draft
 
 from tests.common.training.test_train_draft import config_for
-
-
-def test_accept_runs_count_the_leading_correct_rows():
-    correct = torch.tensor([[True, True, False, True], [False, True, True, True],
-                            [True, True, True, True]])
-    assert accept_runs(correct).tolist() == [3, 1, 5]
 
 
 def test_decode_walk_steps_from_each_runs_first_token():

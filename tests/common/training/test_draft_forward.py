@@ -10,8 +10,8 @@ from common.model.dflash import DFlashDraftModel, DraftKVPool
 from common.model.dflash_config import DFlashConfig
 from common.model.load import load_model
 from common.training.capture import HiddenCapture
-from common.training.draft_forward import (block_hidden, block_logits, block_loss, block_mask,
-                                           sample_anchors)
+from common.training.draft_forward import (accept_runs, block_hidden, block_logits, block_loss,
+                                           block_mask, sample_anchors)
 from tests.common.model.draft_checkpoints import draft_config_dict
 
 B, T, MASK = 6, 20, 257
@@ -160,3 +160,9 @@ def test_loss_trains_every_parameter(target):
     after = block_loss(draft, aux, tokens, anchors, **kwargs)
     assert after.loss < 0.7 * first.loss
     assert after.accuracy > first.accuracy and after.accept_length >= 1.0
+
+
+def test_accept_runs_count_the_leading_correct_rows():
+    correct = torch.tensor([[True, True, False, True], [False, True, True, True],
+                            [True, True, True, True]])
+    assert accept_runs(correct).tolist() == [3, 1, 5]
