@@ -109,17 +109,23 @@ def _is_gemm(kernel: str) -> bool:
 
 
 def host_functions(engine: LLMEngine, device: str, steps: int = 50, top: int = 25) -> list[dict]:
-    """The Python functions a step spends its host time in: ``steps`` unsynchronised steps
-    under cProfile, the functions with the most time of their own (per step), each with its
-    cumulative time. cProfile slows every call alike, so the shares are what to read."""
+    """The Python functions a step spends its host time in: up to ``steps`` unsynchronised
+    steps under cProfile (fewer if the engine's requests end first: a step with nothing to run
+    is not a step's cost), the functions with the most time of their own (per step), each
+    with its cumulative time. cProfile slows every call alike, so the shares are what to read."""
     engine.step()
     _sync(device)
     prof = cProfile.Profile()
+    ran = 0
     prof.enable()
-    for _ in range(steps):
+    while ran < steps and engine.has_work():
         engine.step()
+        ran += 1
     _sync(device)
     prof.disable()
+    if ran == 0:
+        raise RuntimeError("the engine had no requests left to profile")
+    steps = ran
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, prim, own, cum, callers)
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": v[1] / steps,
@@ -226,13 +232,18 @@ def main(argv=None) -> int:
             model, draft, block_size=args.block_size, max_running=running, graphs=graphs,
             device=args.device, commit_graphs=args.commit_graphs, draft_ahead=args.draft_ahead,
             verify_ahead=args.verify_ahead)
-    for engine in (plain, spec):
-        if engine is not None:
-            fill_batch(engine, args.batch, prompt_len, 400, vocab=vocab)
-    decode = profile_decode(plain, args.device)
-    dflash = time_dflash_phases(spec, args.device) if spec else {}
-    dflash_profile = profile_decode(spec, args.device) if spec else {}
-    host = host_functions(spec if spec else plain, args.device)
+    def fresh_batch(engine: LLMEngine) -> LLMEngine:
+        """``engine`` with a new batch of prompts, prefilled: a trained draft can end a batch
+        within one measurement's steps, and a step with nothing to run costs nothing."""
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
+        fill_batch(engine, args.batch, prompt_len, 400, vocab=vocab)
+        return engine
+
+    decode = profile_decode(fresh_batch(plain), args.device)
+    dflash = time_dflash_phases(fresh_batch(spec), args.device) if spec else {}
+    dflash_profile = profile_decode(fresh_batch(spec), args.device) if spec else {}
+    host = host_functions(fresh_batch(spec if spec else plain), args.device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": args.model, "batch": args.batch, "decode": decode,
