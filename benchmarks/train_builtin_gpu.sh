@@ -6,27 +6,31 @@
 # STAGE: target | regen | draft | tau | serve | all (default: target, regen, draft, tau). Each
 # stage reads what the one before wrote under OUT_DIR, so they can run as separate commands:
 #   target (~6 min): the corpus (this interpreter's standard library, PSF licence, or CORPUS),
-#          the BPE tokenizer, and the target trained for TARGET_SECONDS (default 300) of wall
-#          clock. On a GPU it compiles the serving kernels beside the training (JIT_WARMUP,
-#          below), so the next stage does not spend minutes on it;
-#   regen  (~3 min): the target's own continuations of corpus prompts (data regeneration);
-#   draft  (~3 min): the draft trained on them for DRAFT_SECONDS (default 120); it runs
+#          the BPE tokenizer, and the target (train_target's PYCODER_ARCH, 19.9M parameters)
+#          trained for TARGET_SECONDS (default 300) of wall clock. On a GPU it compiles the
+#          serving kernels beside the training (JIT_WARMUP, below), so the next stage does not
+#          spend minutes on it;
+#   regen  (~4 min): the target's own continuations of corpus prompts (data regeneration);
+#   draft  (~8 min): the draft trained on them for DRAFT_SECONDS (default 420); it runs
 #          `regen` first when the regenerated data is missing or older than the target;
 #   tau    (~2 min): mean accept length at blocks 8 and 16, greedy and at temperature 0.7, on
 #          the held-out files, and in-process decode tokens/s with and without the draft;
 #   serve  (~3 min): output tokens/s through router -> prefill -> decode with DFLASH against
 #          without, at 1, 8 and 32 requests in flight (benchmarks/dflash_serving.py).
+# The defaults make the shipped pair (docs/training.md, "The built-in pair rebuilt on the full
+# library"), given CORPUS: the full Python 3.11.7 library the shipped pair learnt from.
 # ARCH=FILE trains another target shape (a JSON of Qwen3_5TextConfig fields, e.g.
-# benchmarks/large_target_arch.json: about 280M parameters; benchmarks/medium_target_arch.json:
-# 19.9M, docs/training.md "A medium built-in target"); DRAFT_LAYERS (default 2) and
-# TARGET_LAYER_IDS (default 1,3,5, the built-in target's; "" picks z-lab's rule) shape its draft.
+# benchmarks/large_target_arch.json: about 280M parameters; benchmarks/small_target_arch.json:
+# the 7.2M shape of the pycoder shipped before 2026-12-06); DRAFT_LAYERS (default 3),
+# DRAFT_MLP (default 768; "" takes the target's) and TARGET_LAYER_IDS (default 0,...,7, every
+# layer of the default target; "" picks z-lab's rule) shape its draft.
 # CORPUS=DIR trains on a corpus written earlier by `python -m common.training.corpus` (e.g. on
 # a machine whose Python carries its whole standard library, tests included: a slim
-# interpreter's is a third of that) instead of this interpreter's. RESUME=1 continues the
-# draft's training from its last checkpoint (a stage cut short). JIT_WARMUP=0 turns the
-# target stage's kernel compilation off.
-# On a GPU, REGEN_PROMPTS (6144) and REGEN_TOKENS (384) size the draft's regenerated data,
-# REGEN_RUNNING (256) is how many of its requests run at once (more for a small target, whose
+# interpreter's is a third of that, and a target trained on it over-fits) instead of this
+# interpreter's. RESUME=1 continues the draft's training from its last checkpoint (a stage cut
+# short). JIT_WARMUP=0 turns the target stage's kernel compilation off.
+# On a GPU, REGEN_PROMPTS (24576) and REGEN_TOKENS (384) size the draft's regenerated data,
+# REGEN_RUNNING (1024) is how many of its requests run at once (more for a small target, whose
 # steps are bound by kernel launches rather than by rows), REGEN_WAVES=1 admits them a wave
 # of REGEN_RUNNING at a time (`regenerate --waves`), and
 # TAU_PROMPTS (64) and TAU_TOKENS (256) the τ benchmark: fewer for a larger target whose stage
@@ -35,7 +39,7 @@
 # about 49 GB). MPS=1 runs the serve stage's two workers under a CUDA MPS daemon (--mps);
 # SERVE_WORKER_ARGS (space-separated) are more flags for its workers, e.g.
 # "--speculative-disable-by-batch-size 16".
-# REGEN_TEMPERATURES (0,0.7) are the regeneration's temperatures, prompt
+# REGEN_TEMPERATURES (0,0,0.7) are the regeneration's temperatures, prompt
 # i continued at the (i mod n)-th.
 # TARGET_DIR=DIR: the regen, draft, tau and serve stages take this target (e.g. the shipped
 # common/model/weights/pycoder, to train a new draft for it) instead of OUT_DIR/pycoder; the
@@ -57,20 +61,24 @@ USAGE="usage: bash benchmarks/train_builtin_gpu.sh OUT_DIR [STAGE] [TARGET_S] [D
 OUT=${1:?$USAGE}
 STAGE=${2:-all}
 TARGET_SECONDS=${3:-300}
-DRAFT_SECONDS=${4:-120}
+DRAFT_SECONDS=${4:-420}
 PY=${PYTHON:-python}
 if [ "${SMOKE:-0}" = 1 ]; then
     DEVICE=cpu TARGET_BATCH=2 DRAFT_BATCH=2 SEQ=64 REGEN_PROMPTS=4 REGEN_TOKENS=32
     TAU_PROMPTS=2 TAU_TOKENS=8 SPEED=1,2 SERVE_TOKENS=8
 else
     DEVICE=cuda TARGET_BATCH=${TARGET_BATCH:-64} DRAFT_BATCH=${DRAFT_BATCH:-32} SEQ=512
-    REGEN_PROMPTS=${REGEN_PROMPTS:-6144} REGEN_TOKENS=${REGEN_TOKENS:-384}
+    REGEN_PROMPTS=${REGEN_PROMPTS:-24576} REGEN_TOKENS=${REGEN_TOKENS:-384}
     TAU_PROMPTS=${TAU_PROMPTS:-64} TAU_TOKENS=${TAU_TOKENS:-256} SPEED=1,8,32 SERVE_TOKENS=256
 fi
 ARCH_ARGS=()
 if [ -n "${ARCH:-}" ]; then ARCH_ARGS=(--arch "$(cd "$(dirname "$ARCH")" && pwd)/$(basename "$ARCH")"); fi
 LAYER_ID_ARGS=()
-if [ -n "${TARGET_LAYER_IDS-1,3,5}" ]; then LAYER_ID_ARGS=(--target-layer-ids "${TARGET_LAYER_IDS-1,3,5}"); fi
+TARGET_LAYER_IDS=${TARGET_LAYER_IDS-0,1,2,3,4,5,6,7}
+if [ -n "$TARGET_LAYER_IDS" ]; then LAYER_ID_ARGS=(--target-layer-ids "$TARGET_LAYER_IDS"); fi
+DRAFT_MLP_ARGS=()
+DRAFT_MLP=${DRAFT_MLP-768}
+if [ -n "$DRAFT_MLP" ]; then DRAFT_MLP_ARGS=(--intermediate-size "$DRAFT_MLP"); fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 if [ -n "${CORPUS:-}" ]; then CORPUS=$(cd "$CORPUS" && pwd); fi
@@ -136,8 +144,8 @@ stage_regen() {
     if [ ! -f "$OUT/corpus/train.jsonl" ]; then write_corpus; fi
     "$PY" -m common.training.regenerate --model "$TARGET" --data "$OUT/corpus" \
         --out "$OUT/regen.jsonl" --num-prompts "$REGEN_PROMPTS" --prompt-tokens 128 \
-        --max-new-tokens "$REGEN_TOKENS" --temperatures "${REGEN_TEMPERATURES:-0,0.7}" \
-        --max-running "${REGEN_RUNNING:-256}" --device "$DEVICE" --kernels "$KERNELS" \
+        --max-new-tokens "$REGEN_TOKENS" --temperatures "${REGEN_TEMPERATURES:-0,0,0.7}" \
+        --max-running "${REGEN_RUNNING:-1024}" --device "$DEVICE" --kernels "$KERNELS" \
         $([ "${REGEN_WAVES:-0}" = 1 ] && echo --waves)
 }
 
@@ -146,7 +154,7 @@ stage_draft() {
     local resume=()
     if [ "${RESUME:-0}" = 1 ]; then resume=(--resume); else rm -rf "$OUT/pycoder-dflash"; fi
     "$PY" -m router.cli train-draft --target "$TARGET" --data "$OUT/regen.jsonl" \
-        --out "$OUT/pycoder-dflash" --block-size 16 --layers "${DRAFT_LAYERS:-2}" "${LAYER_ID_ARGS[@]}" \
+        --out "$OUT/pycoder-dflash" --block-size 16 --layers "${DRAFT_LAYERS:-3}" "${LAYER_ID_ARGS[@]}" "${DRAFT_MLP_ARGS[@]}" \
         --seconds "$DRAFT_SECONDS" --batch-size "$DRAFT_BATCH" --seq-len "$SEQ" --anchors 32 \
         --lr 1e-3 --checkpoint-every 500 --device "$DEVICE" --kernels "$KERNELS" "${resume[@]}"
     rm -rf "$OUT/ship"

@@ -48,11 +48,16 @@ def test_pycoder_architecture_is_a_servable_config():
 
     config = parse_model_config({"model_type": "qwen3_5_text", "vocab_size": 8192,
                                 **PYCODER_ARCH})
-    assert config.full_attention_layers == (2, 5) and config.rotary_dim == 32
+    assert config.full_attention_layers == (3, 7) and config.rotary_dim == 32
     assert config.linear_key_head_dim == config.head_dim == 128  # the GPU kernels' fast path
+    # the default shape is the shipped model's, so the rebuild script's default remakes it
+    from common.model.registry import PYCODER
+
+    shipped = json.loads((PYCODER.target_dir / "provenance.json").read_text())["architecture"]
+    assert {k: shipped[k] for k in PYCODER_ARCH} == PYCODER_ARCH
 
 
-@pytest.mark.parametrize("name, full, params", [("medium_target_arch.json", (3, 7), 19_908_272),
+@pytest.mark.parametrize("name, full, params", [("small_target_arch.json", (2, 5), 7_225_616),
                                                  ("large_target_arch.json", None, None)])
 def test_benchmark_target_architectures_are_servable(name, full, params):
     from pathlib import Path
