@@ -51,7 +51,7 @@ PYCODER = BuiltinCheckpoint(
         "def read_lines(path):\n    with open(path",
         'import os\n\n\ndef list_files(path):\n    """',
         "class Stack:\n    def __init__(self):\n        self.",
-        "def fibonacci(n):",
+        "def fibonacci(n):\n    if n",
     ),
 )
 
