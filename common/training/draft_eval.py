@@ -5,8 +5,8 @@ decode would see.
 The last two differ a lot. A decode's blocks start where the previous step ended, just after a
 rejection, so the hard places of a text get many short steps and the easy ones few long ones:
 τ is tokens over steps, nearer a harmonic than an arithmetic mean of the accept lengths. On the
-2026-12-06 medium built-in pair (docs/training.md) the uniform mean was 6.54 where the walk
-below gave 3.08 and decoding measured 2.84–3.26, so only the walk predicts τ.
+2026-12-06 medium built-in pair (docs/training.md) the uniform mean was 6.49 where the walk
+below gave 3.13 and decoding measured 2.84–3.26, so only the walk predicts τ.
 
 The walk: for every anchor ``a`` of a window, ``L(a) = 1 +`` the draft's leading correct rows of
 the block ``[token a, MASK x (B-1)]`` (rows on label tokens only: a decode ends where the target's
